@@ -1,0 +1,6 @@
+"""Profiles: the pydantic schema (no torch), the YAML loader with --set overrides, the GPU catalog."""
+
+from orbitctl.profile.loader import load_profile
+from orbitctl.profile.schema import Profile
+
+__all__ = ["Profile", "load_profile"]

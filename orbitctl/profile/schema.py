@@ -1,0 +1,372 @@
+"""The profile schema: one strict pydantic model shared by every command.
+
+The schema is the documentation: every field has a one-line docstring, bounds and
+literal choices. Defaults are the seed tutorial's recommendations. Nothing here imports
+torch. Cross-field rules live in ``model_validator(mode="after")`` and name the YAML key
+and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from orbitctl.profile.gpus import gpu_names, resolve_gpu
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelSection(Section):
+    arch: str | None = None
+    """Built-in architecture name (see `orbitctl plan --list-archs`), e.g. kimi-k2, llama-3.1-8b, tiny-llama."""
+    config: str | None = None
+    """Path to a Hugging Face config.json for an architecture not in the catalog."""
+    path: str | None = None
+    """Hugging Face checkpoint directory (safetensors) to quantize and train from."""
+    quantized_path: str | None = None
+    """Directory of the frozen quantized base written by `orbitctl quantize`."""
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    """Dtype of the weights that stay unquantized (embeddings, norms, router, lm_head)."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSection":
+        if self.arch and self.config:
+            raise ValueError("set either model.arch or model.config, not both")
+        if not self.arch and not self.config:
+            raise ValueError("set model.arch (a built-in name) or model.config (path to config.json)")
+        return self
+
+    @field_validator("arch")
+    @classmethod
+    def _known_arch(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        from orbitctl.arch.catalog import builtin_names, resolve_name
+
+        resolved = resolve_name(value)
+        if resolved is None:
+            import difflib
+
+            close = difflib.get_close_matches(value.lower(), builtin_names(), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; known: {', '.join(builtin_names())}"
+            raise ValueError(f"unknown architecture '{value}'{hint}")
+        return resolved
+
+
+class HardwareSection(Section):
+    gpu: str = "h200"
+    """GPU model from the catalog: a100-80g, h100-80g, h200, b200, mi300x, rtx4090, rtx3090, l40s, cpu."""
+    gpus_per_node: int = Field(8, ge=1, le=16)
+    """GPUs used on the node (ranks per node)."""
+    nodes: int = Field(1, ge=1, le=1024)
+    """Number of nodes."""
+    host_ram_gib: float = Field(2048, gt=0)
+    """Host RAM per node, GiB (offloaded activations and optimizer state live here)."""
+    gpu_memory_gib: float | None = Field(None, gt=0)
+    """Override the catalog's per-GPU memory (GiB), e.g. with the free memory seen right now."""
+
+    @field_validator("gpu")
+    @classmethod
+    def _known_gpu(cls, value: str) -> str:
+        spec = resolve_gpu(value)
+        if spec is None:
+            import difflib
+
+            close = difflib.get_close_matches(value.lower(), gpu_names(), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; known: {', '.join(gpu_names())}"
+            raise ValueError(f"unknown GPU '{value}'{hint}")
+        return spec.name
+
+
+class QuantSection(Section):
+    format: Literal["nf4", "fp4", "int4", "fp8", "none"] = "int4"
+    """Storage format of the frozen base: nf4/fp4 (bitsandbytes), int4 (group-wise, compressed-tensors), fp8 (e4m3, 128x128 blocks), none (bf16)."""
+    group_size: int = Field(64, ge=16, le=1024)
+    """Weights per scale: bnb block size for nf4/fp4 (64), INT4 group (32/64/128). FP8 always uses 128x128 blocks."""
+    double_quant: bool = True
+    """nf4/fp4: quantize the absmax scales again to 8 bits (4.127 instead of 4.5 bits per weight)."""
+    compute_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    """Dtype the quantized weights are dequantized to for the matmul."""
+    storage_dtype: Literal["uint8", "bf16"] = "bf16"
+    """nf4/fp4: dtype of the packed storage tensor; bf16 lets ZeRO-3 shard it like any parameter."""
+    modules: Literal["all-linear", "experts"] = "all-linear"
+    """Which linear layers are quantized: every linear layer, or only the routed experts (Kimi-K2-Thinking's layout)."""
+    skip: list[str] = Field(default_factory=lambda: ["lm_head"])
+    """Module-name substrings kept in bf16 in addition to embeddings, norms and router gates."""
+
+    @model_validator(mode="after")
+    def _group(self) -> "QuantSection":
+        if self.format == "int4" and self.group_size not in (32, 64, 128):
+            raise ValueError("quant.group_size: int4 supports 32, 64 or 128")
+        if self.format in ("nf4", "fp4") and self.group_size not in (32, 64, 128, 256, 512, 1024, 2048, 4096):
+            raise ValueError("quant.group_size: bitsandbytes block size must be a power of two from 32 to 4096 (default 64)")
+        return self
+
+
+class AdapterSection(Section):
+    kind: Literal["lora", "bottleneck"] = "lora"
+    """LoRA through PEFT, or the bottleneck adapter up(relu(down(x))) + x after each layer's MLP."""
+    rank: Union[int, Literal["auto"]] = 256
+    """LoRA rank or bottleneck dim; 'auto' = hidden_size / 10."""
+    alpha: float | None = Field(None, gt=0)
+    """LoRA alpha; unset means 2 x rank."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """LoRA dropout; > 0 keeps an extra copy of every adapted layer's input for backward."""
+    targets: Union[Literal["all-linear", "attention", "attention+mlp", "attention+shared"], list[str]] = "attention+shared"
+    """Modules that get adapters: a preset or a list of module-name suffixes (q_proj, o_proj, ...)."""
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    """Adapter weight dtype (BF16 keeps activations small; optimizer master copy is fp32 either way)."""
+
+    @field_validator("rank")
+    @classmethod
+    def _rank(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be >= 1 or 'auto'")
+        return value
+
+
+class MemorySection(Section):
+    zero_stage: Literal[0, 1, 2, 3] = 3
+    """DeepSpeed ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters (the frozen base)."""
+    gradient_checkpointing: bool = True
+    """Recompute each layer in backward; keeps only the per-layer boundary tensor."""
+    offload_activations: Literal["none", "cpu"] = "none"
+    """Move the checkpointed per-layer boundaries to host RAM (needs gradient_checkpointing)."""
+    offload_optimizer: Literal["none", "cpu"] = "none"
+    """Keep fp32 master weights and Adam states in host RAM (ZeRO-Offload)."""
+    offload_params: Literal["none", "cpu"] = "none"
+    """Keep the ZeRO-3 parameter shards in host RAM (ZeRO-Infinity); needs zero_stage 3."""
+    micro_batch_size: int = Field(8, ge=1, le=4096)
+    """Sequences per GPU per forward/backward."""
+    gradient_accumulation_steps: int = Field(16, ge=1, le=65536)
+    """Micro-batches accumulated per optimizer step."""
+    seq_len: int = Field(4096, ge=8, le=1_048_576)
+    """Tokens per training sequence (prompt + response)."""
+    max_hbm_utilization: float = Field(0.90, gt=0.1, le=1.0)
+    """Fraction of each GPU's memory the plan may use; the rest is allocator headroom."""
+    flash_attention: bool = True
+    """A flash-style attention kernel (no seq^2 score matrix kept)."""
+    loss_chunk_size: int = Field(0, ge=0)
+    """Tokens per chunk of the lm_head + loss; 0 computes the logits of the whole micro-batch at once."""
+    expert_parallel: int = Field(1, ge=1)
+    """Expert-parallel degree: ZeRO-3 then gathers only 1/EP of a MoE layer's experts."""
+    prefetch_layers: int = Field(1, ge=0, le=8)
+    """ZeRO-3 layers gathered ahead of the current one (stage3_prefetch_bucket_size)."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "MemorySection":
+        if self.offload_activations == "cpu" and not self.gradient_checkpointing:
+            raise ValueError(
+                "memory.offload_activations: 'cpu' needs memory.gradient_checkpointing: true "
+                "(only checkpointed layer boundaries can be offloaded)"
+            )
+        if self.offload_params == "cpu" and self.zero_stage != 3:
+            raise ValueError("memory.offload_params: 'cpu' needs memory.zero_stage: 3")
+        if self.offload_optimizer == "cpu" and self.zero_stage == 0:
+            raise ValueError("memory.offload_optimizer: 'cpu' needs memory.zero_stage >= 1")
+        return self
+
+
+class AlignLoss(Section):
+    kind: Literal["kl", "none"] = "kl"
+    """Penalty between the train-path and infer-path distributions."""
+    weight: float = Field(0.1, ge=0.0)
+    """Weight of the train/infer KL in the loss (tutorial: 0.1)."""
+
+
+class ISCorrection(Section):
+    kind: Literal["none", "tis", "icepop"] = "tis"
+    """Importance-sampling correction for the rollout/train mismatch: truncated IS (cap) or IcePop masking."""
+    cap: float = Field(2.0, gt=0.0)
+    """TIS: importance ratios above this are truncated."""
+    low: float = Field(0.5, gt=0.0)
+    """IcePop: tokens with ratio below this get no gradient."""
+    high: float = Field(5.0, gt=0.0)
+    """IcePop: tokens with ratio above this get no gradient."""
+
+    @model_validator(mode="after")
+    def _band(self) -> "ISCorrection":
+        if self.low >= self.high:
+            raise ValueError("rl.is_correction.low must be below rl.is_correction.high")
+        return self
+
+
+class RLSection(Section):
+    algorithm: Literal["grpo", "ppo"] = "grpo"
+    """GRPO (group-normalised advantages) or PPO-clip."""
+    group_size: int = Field(8, ge=1, le=1024)
+    """Completions sampled per prompt (G)."""
+    prompts_per_step: int = Field(32, ge=1)
+    """Prompts per optimizer step (each gives group_size completions)."""
+    steps: int = Field(1000, ge=1)
+    """Optimizer steps in the run."""
+    lr: float = Field(1.0e-5, gt=0.0, le=1.0)
+    """Peak learning rate of the adapter AdamW."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay on adapter weights."""
+    warmup_steps: int = Field(1000, ge=0)
+    """Linear warmup steps."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """Schedule after warmup."""
+    grad_clip: float = Field(1.0, ge=0.0)
+    """Clip the global gradient norm to this; 0 disables."""
+    clip_eps: float = Field(0.2, gt=0.0, lt=1.0)
+    """PPO/GRPO ratio clip epsilon."""
+    ppo_epochs: int = Field(1, ge=1, le=64)
+    """Inner epochs over each rollout batch."""
+    minibatches: int = Field(1, ge=1, le=1024)
+    """Minibatches per inner epoch."""
+    std_normalize: bool = True
+    """GRPO: divide group-centred rewards by the group standard deviation."""
+    kl_ref_coef: float = Field(0.0, ge=0.0)
+    """KL to the reference policy (the base with adapters disabled); 0 skips the reference pass."""
+    align_loss: AlignLoss = Field(default_factory=AlignLoss)
+    """Train/infer alignment loss."""
+    is_correction: ISCorrection = Field(default_factory=ISCorrection)
+    """Rollout/train mismatch correction."""
+    max_nonfinite_steps: int = Field(3, ge=1)
+    """Stop after this many consecutive updates with a non-finite loss or gradient."""
+
+    @model_validator(mode="after")
+    def _group(self) -> "RLSection":
+        if self.algorithm == "grpo" and self.group_size < 2:
+            raise ValueError("rl.group_size: GRPO needs at least 2 completions per prompt to normalise within a group")
+        return self
+
+
+class RolloutSection(Section):
+    max_new_tokens: int = Field(1024, ge=1)
+    """Longest completion sampled."""
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    """Sampling temperature; 0 is greedy."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    batch_size: int | None = Field(None, ge=1)
+    """Sequences decoded at once per GPU; unset = micro_batch_size x group_size."""
+    kv_dtype: Literal["bf16", "fp8"] = "bf16"
+    """KV-cache dtype of the inference path."""
+    engine: Literal["shared", "separate"] = "shared"
+    """shared: rollout uses the trainer's own weights (orbitctl's infer path); separate: a colocated engine holds its own copy."""
+    engine_tp: int = Field(1, ge=1)
+    """Tensor-parallel size of a separate engine (MLA KV is replicated on every TP rank)."""
+    engine_sleep: bool = True
+    """A separate engine releases its weights and KV while the trainer updates (vLLM sleep mode)."""
+
+
+class DataSection(Section):
+    train: str = "builtin:digit-sum"
+    """Training prompts: a JSONL file (prompt + answer, or prompt + tests) or builtin:NAME."""
+    eval: str | None = None
+    """Held-out prompts; unset = a held-out split of train."""
+    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    """Share of train held out for evaluation when eval is unset."""
+    eval_size: int = Field(64, ge=1)
+    """Held-out prompts scored per evaluation."""
+    reward: str = "builtin"
+    """Reward: math, code, builtin (the task's own) or python:module:function."""
+
+
+class AlignmentSection(Section):
+    js_max: float = Field(0.05, gt=0.0, le=0.7)
+    """Gate: mean Jensen-Shannon divergence between train and infer distributions."""
+    logit_l1_max: float = Field(0.1, gt=0.0)
+    """Gate: mean L1 distance between train and infer log-softmax vectors."""
+    entropy_window: int = Field(100, ge=2)
+    """Steps over which entropy stability is judged."""
+    entropy_fluctuation_max: float = Field(0.05, gt=0.0, le=1.0)
+    """Gate: relative entropy fluctuation within the window."""
+    top_k: int = Field(5, ge=1, le=1000)
+    """k for top-k agreement."""
+    top_k_agreement_min: float = Field(0.9, ge=0.0, le=1.0)
+    """Gate: share of positions whose top-k token sets agree."""
+    num_prompts: int = Field(32, ge=1)
+    """Prompts used by verify-alignment."""
+
+
+class RunSection(Section):
+    dir: str | None = None
+    """Run directory; unset = runs/<name>."""
+    seed: int = Field(0, ge=0)
+    """Seed for data order, sampling and adapter init."""
+    save_every: int = Field(50, ge=1)
+    """Optimizer steps between checkpoints."""
+    keep_last: int = Field(3, ge=1)
+    """Checkpoints kept."""
+    log_every: int = Field(1, ge=1)
+    """Steps between live-view updates."""
+    eval_every: int = Field(50, ge=1)
+    """Steps between held-out greedy evaluations."""
+
+
+class Profile(Section):
+    """One RL post-training setup: model, machine, method. Every command reads it."""
+
+    name: str = Field("unnamed", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._+-]+$")
+    """Profile name; names the run directory."""
+    model: ModelSection
+    """What is trained."""
+    hardware: HardwareSection = Field(default_factory=HardwareSection)
+    """Where it runs."""
+    quant: QuantSection = Field(default_factory=QuantSection)
+    """How the frozen base is stored."""
+    adapter: AdapterSection = Field(default_factory=AdapterSection)
+    """What is trained on top of it."""
+    memory: MemorySection = Field(default_factory=MemorySection)
+    """Sharding, checkpointing, offload, batch."""
+    rl: RLSection = Field(default_factory=RLSection)
+    """The update."""
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    """Sampling."""
+    data: DataSection = Field(default_factory=DataSection)
+    """Prompts and rewards."""
+    alignment: AlignmentSection = Field(default_factory=AlignmentSection)
+    """Train/infer alignment gates."""
+    run: RunSection = Field(default_factory=RunSection)
+    """Run directory, checkpoints, logging."""
+
+    @model_validator(mode="after")
+    def _cross(self) -> "Profile":
+        if self.memory.offload_params == "cpu" and self.memory.offload_optimizer != "cpu":
+            raise ValueError(
+                "memory.offload_params: 'cpu' without memory.offload_optimizer: 'cpu' keeps optimizer state "
+                "on the GPU while parameters are offloaded; set memory.offload_optimizer: cpu"
+            )
+        return self
+
+    # Derived values: computed, never configured.
+    @property
+    def world_size(self) -> int:
+        return self.hardware.gpus_per_node * self.hardware.nodes
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step across all ranks."""
+        return self.memory.micro_batch_size * self.memory.gradient_accumulation_steps * self.world_size
+
+    @property
+    def run_dir(self) -> str:
+        return self.run.dir or f"runs/{self.name}"
+
+    @property
+    def rollout_batch_size(self) -> int:
+        return self.rollout.batch_size or self.memory.micro_batch_size * self.rl.group_size
+
+    def derived(self) -> dict:
+        """Values that follow from the profile, shown by `orbitctl profile show`."""
+        from orbitctl.profile.gpus import resolve_gpu
+
+        gpu = resolve_gpu(self.hardware.gpu)
+        mem = self.hardware.gpu_memory_gib * 1024**3 if self.hardware.gpu_memory_gib else gpu.visible_bytes
+        return {
+            "world_size": self.world_size,
+            "global_batch_size": self.global_batch_size,
+            "rollout_batch_size": self.rollout_batch_size,
+            "adapter_alpha": self.adapter.alpha if self.adapter.alpha is not None else (
+                2 * self.adapter.rank if isinstance(self.adapter.rank, int) else "2 x rank"),
+            "gpu_memory_bytes": int(mem),
+            "usable_bytes_per_gpu": int(mem * self.memory.max_hbm_utilization),
+            "run_dir": self.run_dir,
+        }
