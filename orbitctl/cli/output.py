@@ -50,4 +50,4 @@ def error(message: str) -> None:
     """``Error: ...`` lines on stderr; markup is not interpreted so file paths print as given."""
     for i, line in enumerate(message.splitlines() or [""]):
         prefix = "Error: " if i == 0 else "       "
-        stderr.print(prefix + line, markup=False, highlight=False)
+        stderr.print(prefix + line, markup=False, highlight=False, soft_wrap=True)
