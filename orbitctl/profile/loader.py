@@ -84,11 +84,27 @@ def validate_profile(data: dict[str, Any], source: str, problems: list[str] | No
     try:
         profile = Profile.model_validate(data)
     except ValidationError as exc:
-        problems.extend(_format_error(err, data) for err in exc.errors())
+        problems.extend(_merge_union_branches([_format_error(err, data) for err in exc.errors()]))
         raise ProfileError(source, _dedupe(problems)) from None
     if problems:
         raise ProfileError(source, _dedupe(problems))
     return profile
+
+
+def _merge_union_branches(problems: list[str]) -> list[str]:
+    """A value that fails every branch of a union (int or 'auto') reads as one line, not one per branch."""
+    merged: dict[str, list[str]] = {}
+    got: dict[str, str] = {}
+    for line in problems:
+        key, _, rest = line.partition(": ")
+        tail = ""
+        if rest.endswith(")") and " (got " in rest:
+            rest, _, tail = rest.rpartition(" (got ")
+            tail = f" (got {tail}"
+        merged.setdefault(key, []).append(rest)
+        got.setdefault(key, tail)
+    return [f"{k}: {' or '.join(dict.fromkeys(v))}{got[k]}" if len(v) > 1 else f"{k}: {v[0]}{got[k]}"
+            for k, v in merged.items()]
 
 
 def _dedupe(items: list[str]) -> list[str]:
@@ -104,6 +120,7 @@ def _format_error(err: dict[str, Any], data: dict[str, Any]) -> str:
     msg = str(err.get("msg", "invalid"))
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
+    msg = msg.replace("Input should be", "must be")
     if kind == "extra_forbidden":
         return _unknown_key_problem(loc) or f"{key}: unknown key"
     if kind == "missing":
