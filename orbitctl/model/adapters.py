@@ -1,0 +1,239 @@
+"""Trainable adapters on a frozen base: LoRA through PEFT, and the bottleneck adapter.
+
+Adapters are BF16 (``adapter.dtype``) and are never merged into the quantized weights: the
+same unmerged adapter serves the infer path and the train path.
+
+Bottleneck adapter file format (``adapter/``):
+  ``bottleneck_config.json``  {"format": "orbitctl-bottleneck", "version": 1, "dim": D,
+                               "hidden_size": H, "num_layers": L, "placement": "after-mlp"}
+  ``bottleneck.safetensors``  per layer i: ``layers.{i}.down.weight`` [D, H],
+                               ``layers.{i}.down.bias`` [D], ``layers.{i}.up.weight`` [H, D],
+                               ``layers.{i}.up.bias`` [H]; the layer computes
+                               ``y = mlp(x); y + up(relu(down(y)))``.
+LoRA is saved in PEFT's own format (``adapter_config.json`` + ``adapter_model.safetensors``),
+loadable with ``peft.PeftModel.from_pretrained`` on the quantized base.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from orbitctl.errors import InputFileError, UserError
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+MLP = ("gate_proj", "up_proj", "down_proj", "fc1", "fc2", "w1", "w2", "w3")
+BOTTLENECK_FORMAT = "orbitctl-bottleneck"
+_ROUTED_EXPERT = re.compile(r"(^|\.)experts\.\d+\.")
+
+
+@dataclass(frozen=True)
+class AdapterReport:
+    """What was adapted: shown to the user, so a preset that silently skips layers is visible."""
+
+    kind: str
+    modules: list[str]
+    trainable_params: int
+    dim: int
+
+    def summary(self) -> str:
+        suffixes: dict[str, int] = {}
+        for name in self.modules:
+            suffixes[name.rsplit(".", 1)[-1]] = suffixes.get(name.rsplit(".", 1)[-1], 0) + 1
+        parts = ", ".join(f"{s} x{n}" for s, n in sorted(suffixes.items()))
+        return f"{self.kind} dim {self.dim} on {len(self.modules)} modules ({parts}); {self.trainable_params:,} trainable parameters"
+
+
+def _is_linear(module) -> bool:
+    import torch
+
+    if isinstance(module, torch.nn.Linear):
+        return True
+    # bitsandbytes Linear4bit subclasses nn.Linear; orbitctl's QuantLinear exposes in/out features
+    return hasattr(module, "in_features") and hasattr(module, "out_features") and type(module).__name__.endswith("Linear")
+
+
+def resolve_targets(model, targets) -> list[str]:
+    """Full module names for a preset or a list of suffixes; lm_head is never adapted."""
+    names = [n for n, m in model.named_modules() if n and _is_linear(m) and not n.endswith("lm_head")]
+    if isinstance(targets, str):
+        if targets == "all-linear":
+            chosen = names
+        elif targets == "attention":
+            chosen = [n for n in names if n.rsplit(".", 1)[-1] in ATTENTION]
+        elif targets in ("attention+mlp", "attention+shared"):
+            chosen = [n for n in names if n.rsplit(".", 1)[-1] in ATTENTION + MLP]
+            if targets == "attention+shared":
+                # dense MLPs and shared experts, never the routed experts (their LoRA would
+                # materialise every expert's weights on each forward)
+                chosen = [n for n in chosen if not _ROUTED_EXPERT.search(n)]
+        else:
+            raise UserError(f"adapter.targets: unknown preset '{targets}'",
+                            fix="use all-linear, attention, attention+mlp, attention+shared or a list of module names")
+    else:
+        wanted = list(targets)
+        chosen = [n for n in names if any(n == t or n.endswith("." + t) for t in wanted)]
+        missing = [t for t in wanted if not any(n == t or n.endswith("." + t) for n in names)]
+        if missing:
+            raise UserError(f"adapter.targets: no linear module named {', '.join(missing)} in this model",
+                            fix=f"choose from suffixes such as {', '.join(sorted({n.rsplit('.', 1)[-1] for n in names}))}")
+    if not chosen:
+        raise UserError(f"adapter.targets: '{targets}' matches no linear module of this model",
+                        fix="name the modules explicitly, e.g. [q_proj, v_proj]")
+    return chosen
+
+
+def adapter_dim(rank, hidden_size: int) -> int:
+    return max(1, hidden_size // 10) if rank == "auto" else int(rank)
+
+
+def attach_lora(model, section, hidden_size: int, *, seed: int):
+    """Wrap the base in a PeftModel with BF16 LoRA weights on the resolved targets."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    modules = resolve_targets(model, section.targets)
+    rank = adapter_dim(section.rank, hidden_size)
+    config = LoraConfig(
+        r=rank, lora_alpha=section.alpha if section.alpha is not None else 2 * rank,
+        lora_dropout=section.dropout, target_modules=modules, bias="none", task_type="CAUSAL_LM")
+    torch.manual_seed(seed)  # LoRA A init draws from the global generator
+    peft_model = get_peft_model(model, config, autocast_adapter_dtype=False)
+    dtype = torch.bfloat16 if section.dtype == "bf16" else torch.float32
+    for name, param in peft_model.named_parameters():
+        if "lora_" in name:
+            param.data = param.data.to(dtype)
+    return peft_model, AdapterReport("lora", modules, _count_trainable(peft_model), rank)
+
+
+def _count_trainable(model) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _bottleneck_cls():
+    import torch
+
+    class BottleneckMLP(torch.nn.Module):
+        """The layer's MLP followed by ``y + up(relu(down(y)))``; up starts at zero, so the
+        adapted model starts equal to the base."""
+
+        def __init__(self, mlp, hidden: int, dim: int, dtype) -> None:
+            super().__init__()
+            self.mlp = mlp
+            self.down = torch.nn.Linear(hidden, dim, dtype=dtype)
+            self.up = torch.nn.Linear(dim, hidden, dtype=dtype)
+            torch.nn.init.zeros_(self.up.weight)
+            torch.nn.init.zeros_(self.up.bias)
+            self.adapter_enabled = True
+
+        def forward(self, x):
+            y = self.mlp(x)
+            if not self.adapter_enabled:
+                return y
+            return y + self.up(torch.relu(self.down(y.to(self.down.weight.dtype)))).to(y.dtype)
+
+    return BottleneckMLP
+
+
+def attach_bottleneck(model, section, hidden_size: int, *, seed: int):
+    """Insert a bottleneck adapter after every decoder layer's MLP."""
+    import torch
+
+    layers = _decoder_layers(model)
+    dim = adapter_dim(section.rank, hidden_size)
+    dtype = torch.bfloat16 if section.dtype == "bf16" else torch.float32
+    cls = _bottleneck_cls()
+    torch.manual_seed(seed)
+    names = []
+    for i, layer in enumerate(layers):
+        layer.mlp = cls(layer.mlp, hidden_size, dim, dtype)
+        names.append(f"model.layers.{i}.mlp")
+    return model, AdapterReport("bottleneck", names, _count_trainable(model), dim)
+
+
+def _decoder_layers(model):
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise UserError("adapter.kind: bottleneck needs a decoder with model.layers[*].mlp",
+                        fix="use adapter.kind: lora for this architecture")
+    return list(layers)
+
+
+def bottleneck_modules(model):
+    return [m for m in model.modules() if type(m).__name__ == "BottleneckMLP"]
+
+
+@contextmanager
+def adapters_disabled(model):
+    """The reference policy: the same weights with every adapter switched off (no copy)."""
+    if hasattr(model, "disable_adapter"):
+        with model.disable_adapter():
+            yield
+        return
+    modules = bottleneck_modules(model)
+    for m in modules:
+        m.adapter_enabled = False
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.adapter_enabled = True
+
+
+def save_bottleneck(model, directory: str | Path, hidden_size: int) -> None:
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    modules = bottleneck_modules(model)
+    tensors = {}
+    for i, m in enumerate(modules):
+        for part in ("down", "up"):
+            lin = getattr(m, part)
+            tensors[f"layers.{i}.{part}.weight"] = lin.weight.detach().contiguous().cpu()
+            tensors[f"layers.{i}.{part}.bias"] = lin.bias.detach().contiguous().cpu()
+    meta = {"format": BOTTLENECK_FORMAT, "version": 1, "dim": modules[0].down.out_features,
+            "hidden_size": hidden_size, "num_layers": len(modules), "placement": "after-mlp"}
+    save_file(tensors, str(directory / "bottleneck.safetensors"), metadata={"format": BOTTLENECK_FORMAT})
+    (directory / "bottleneck_config.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def load_bottleneck(model, directory: str | Path) -> None:
+    """Copy saved bottleneck weights into a model that already has the adapters attached."""
+    import torch
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    config_path = directory / "bottleneck_config.json"
+    if not config_path.exists():
+        raise InputFileError(f"{config_path}: not found", fix="point at a directory written by orbitctl train")
+    tensors = load_file(str(directory / "bottleneck.safetensors"))
+    with torch.no_grad():
+        for i, m in enumerate(bottleneck_modules(model)):
+            for part in ("down", "up"):
+                lin = getattr(m, part)
+                lin.weight.copy_(tensors[f"layers.{i}.{part}.weight"])
+                lin.bias.copy_(tensors[f"layers.{i}.{part}.bias"])
+
+
+def save_adapter(model, directory: str | Path, kind: str, hidden_size: int) -> None:
+    if kind == "lora":
+        model.save_pretrained(str(directory), safe_serialization=True)
+    else:
+        save_bottleneck(model, directory, hidden_size)
+
+
+def load_adapter_weights(model, directory: str | Path, kind: str) -> None:
+    """Load saved adapter weights into the live model (resume)."""
+    if kind == "lora":
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        state = load_file(str(Path(directory) / "adapter_model.safetensors"))
+        set_peft_model_state_dict(model, state)
+    else:
+        load_bottleneck(model, directory)

@@ -1,0 +1,36 @@
+"""A character-level tokenizer for the tiny demo models, in Hugging Face format.
+
+Every character is one token, so a 32-entry vocabulary covers digits, the punctuation the
+built-in tasks and the ``math`` reward use, and the four special tokens. It is built with
+the ``tokenizers`` library and saved as ``tokenizer.json`` so that
+``AutoTokenizer.from_pretrained(dir)`` loads it like any other checkpoint's tokenizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+SPECIALS = (PAD, BOS, EOS, UNK)  # ids 0, 1, 2, 3: pad/bos/eos match tiny-llama's config
+CHARS = tuple("0123456789") + tuple(" S+-*=:#?,./()RMx\n")
+VOCAB = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+VOCAB_SIZE = len(VOCAB)  # 32
+
+
+def build_char_tokenizer():
+    """A PreTrainedTokenizerFast: one token per character, BOS prepended, left padding."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel(vocab=dict(VOCAB), unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", special_tokens=[(BOS, VOCAB[BOS])])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
+        padding_side="left", clean_up_tokenization_spaces=False)
+
+
+def save_char_tokenizer(directory: str | Path) -> None:
+    build_char_tokenizer().save_pretrained(str(directory))

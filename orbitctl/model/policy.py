@@ -1,0 +1,143 @@
+"""The policy: one frozen quantized base plus unmerged adapters, seen through two paths.
+
+* infer path (:meth:`Policy.sample`, :meth:`Policy.greedy`): eval mode, no grad, incremental
+  decoding with a KV cache; records each sampled token's log-prob and, when asked, the full
+  log-distribution (cheap for small vocabularies, what the align loss uses).
+* train path (:meth:`Policy.completion_logits`): train mode, full-sequence forward with
+  gradient checkpointing, adapters active.
+
+Both paths number positions from the first real token, so left padding never shifts a
+sequence's positions (a plain forward would count the padding and disagree with decoding).
+The reference policy is :meth:`reference_logits`: the same weights with adapters disabled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orbitctl.model.adapters import AdapterReport, adapters_disabled
+
+
+@dataclass
+class Samples:
+    """A batch of completions sampled on the infer path (all tensors on CPU)."""
+
+    prompt_ids: "torch.Tensor"          # [B, P] left-padded
+    prompt_mask: "torch.Tensor"         # [B, P]
+    completion_ids: "torch.Tensor"      # [B, T] right-padded with pad
+    completion_mask: "torch.Tensor"     # [B, T] 1 on sampled tokens, EOS included
+    logprobs: "torch.Tensor"            # [B, T] infer-path log-prob of each sampled token
+    dist: "torch.Tensor | None"         # [B, T, V] infer-path log-distribution, when kept
+
+
+def position_ids_for(mask):
+    """Positions counted from each row's first real token (left padding gets position 0)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _top_p_filter(logits, top_p: float):
+    import torch
+
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # drop a token when the mass before it already reaches top_p (the top token always stays)
+    drop = (probs.cumsum(-1) - probs) >= top_p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+class Policy:
+    """Frozen base + adapters; ``model`` is a PeftModel (LoRA) or the base with bottleneck layers."""
+
+    def __init__(self, model, tokenizer, report: AdapterReport, *, hidden_size: int, adapter_kind: str,
+                 gradient_checkpointing: bool = True) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.report = report
+        self.hidden_size = hidden_size
+        self.adapter_kind = adapter_kind
+        self.eos_id = tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.config.use_cache = True
+
+    # -- parameters --------------------------------------------------------------------
+    def trainable_parameters(self):
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def named_trainable(self):
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    # -- infer path ----------------------------------------------------------------------
+    def encode_prompts(self, prompts: list[str]):
+        enc = self.tokenizer(prompts, return_tensors="pt", padding=True)
+        return enc["input_ids"], enc["attention_mask"]
+
+    def sample(self, prompt_ids, prompt_mask, *, max_new_tokens: int, temperature: float, top_p: float,
+               generator, keep_dist: bool = False) -> Samples:
+        """Sample one completion per row; temperature 0 is greedy."""
+        import torch
+
+        self.model.eval()
+        batch = prompt_ids.shape[0]
+        with torch.no_grad():
+            mask = prompt_mask.clone()
+            out = self.model(input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids_for(mask),
+                             use_cache=True)
+            cache, logits = out.past_key_values, out.logits[:, -1, :]
+            next_pos = mask.sum(-1, keepdim=True)
+            finished = torch.zeros(batch, dtype=torch.bool)
+            tokens, logps, keep, dists = [], [], [], []
+            for _ in range(max_new_tokens):
+                scaled = logits.float() / (temperature if temperature > 0 else 1.0)
+                logdist = torch.log_softmax(scaled, dim=-1)
+                if temperature > 0:
+                    probs = torch.softmax(_top_p_filter(scaled, top_p), dim=-1)
+                    token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+                else:
+                    token = scaled.argmax(-1)
+                alive = ~finished
+                token = torch.where(alive, token, torch.full_like(token, self.pad_id))
+                tokens.append(token)
+                logps.append(logdist.gather(-1, token[:, None]).squeeze(-1) * alive)
+                keep.append(alive.long())
+                if keep_dist:
+                    dists.append(logdist)
+                finished = finished | (token == self.eos_id)
+                if bool(finished.all()):
+                    break
+                mask = torch.cat([mask, alive.long()[:, None]], dim=-1)
+                out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos,
+                                 past_key_values=cache, use_cache=True)
+                cache, logits = out.past_key_values, out.logits[:, -1, :]
+                next_pos = next_pos + 1
+        return Samples(prompt_ids, prompt_mask, torch.stack(tokens, 1), torch.stack(keep, 1),
+                       torch.stack(logps, 1), torch.stack(dists, 1) if keep_dist else None)
+
+    def decode(self, completion_ids, completion_mask) -> list[str]:
+        rows = []
+        for ids, m in zip(completion_ids.tolist(), completion_mask.tolist()):
+            rows.append(self.tokenizer.decode([t for t, k in zip(ids, m) if k], skip_special_tokens=True))
+        return rows
+
+    # -- train path ----------------------------------------------------------------------
+    def completion_logits(self, prompt_ids, prompt_mask, completion_ids, completion_mask, *, train: bool = True):
+        """Logits that predict each completion token, [B, T, V], from one full-sequence forward."""
+        import torch
+
+        ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        self.model.train(train)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=False)
+        start = prompt_ids.shape[1] - 1
+        return out.logits[:, start:start + completion_ids.shape[1], :]
+
+    def reference_logits(self, prompt_ids, prompt_mask, completion_ids, completion_mask):
+        """The reference policy (adapters disabled, no grad): no second copy of the model."""
+        import torch
+
+        with torch.no_grad(), adapters_disabled(self.model):
+            return self.completion_logits(prompt_ids, prompt_mask, completion_ids, completion_mask, train=False)

@@ -1,0 +1,138 @@
+"""From a profile to the frozen quantized base on disk, then to a :class:`Policy` in memory.
+
+Sources, in order: ``model.quantized_path`` (used as is), ``model.path`` (quantized once into
+the cache), or, for a tiny catalog architecture, the demo checkpoint built by code
+(:mod:`orbitctl.model.demo_base`) and then quantized. The cache key covers every input, so a
+cached base is always the one the profile describes; ``ORBITCTL_CACHE`` moves the cache.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from orbitctl.errors import UserError
+
+
+@dataclass(frozen=True)
+class PreparedBase:
+    quantized_dir: Path
+    source_dir: Path | None
+    built: bool
+    """True when this call built or quantized something (False: served from the cache)."""
+    notes: dict
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("ORBITCTL_CACHE") or Path.home() / ".cache" / "orbitctl")
+
+
+def _atomic_dir(final: Path, fill) -> dict:
+    """Fill a temp dir next to ``final`` and rename it into place (a killed build leaves no half dir)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        notes = fill(tmp) or {}
+        if final.exists():  # another process finished first; theirs is identical
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, final)
+        return notes
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _quant_settings(profile) -> dict:
+    q = profile.quant
+    return {"fmt": q.format, "group_size": q.group_size, "double_quant": q.double_quant, "storage_dtype": q.storage_dtype}
+
+
+def quantize_into(source: Path, out: Path, profile) -> None:
+    try:
+        from orbitctl.quant.convert import quantize_checkpoint
+    except ImportError:  # TEMP until the quantize path lands: quantize at load time
+        shutil.copytree(source, out, dirs_exist_ok=True)
+        return
+    settings = _quant_settings(profile)
+    quantize_checkpoint(str(source), str(out), fmt=settings["fmt"], group_size=settings["group_size"],
+                        double_quant=settings["double_quant"], storage_dtype=settings["storage_dtype"])
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (source / name).exists() and not (out / name).exists():
+            shutil.copy2(source / name, out / name)
+
+
+def prepare_frozen_base(profile, task=None) -> PreparedBase:
+    """The quantized base directory for this profile, building and quantizing what is missing."""
+    from orbitctl.model.demo_base import WarmStart, build_demo_checkpoint, demo_config, recipe_key
+
+    if profile.model.quantized_path:
+        path = Path(profile.model.quantized_path)
+        if not (path / "config.json").exists():
+            raise UserError(f"model.quantized_path: {path} has no config.json",
+                            fix="run `orbitctl quantize PROFILE` first or fix the path")
+        return PreparedBase(path, None, False, {})
+    if profile.model.path:
+        source = Path(profile.model.path)
+        if not (source / "config.json").exists():
+            raise UserError(f"model.path: {source} has no config.json", fix="point model.path at a Hugging Face checkpoint directory")
+        import hashlib
+
+        key = hashlib.sha256(f"{source.resolve()}|{sorted(_quant_settings(profile).items())}".encode()).hexdigest()[:16]
+        out = cache_root() / "quantized" / key
+        built = not out.exists()
+        if built:
+            _atomic_dir(out, lambda tmp: quantize_into(source, tmp, profile))
+        return PreparedBase(out, source, built, {})
+    if task is None or not profile.model.arch:
+        raise UserError("model.path: not set, and only a tiny catalog model with a builtin task can be built by code",
+                        fix="set model.path to a Hugging Face checkpoint, or data.train: builtin:digit-sum with model.arch: tiny-llama")
+    config = demo_config(profile.model.arch)
+    warm = WarmStart(seed=profile.run.seed)
+    key = recipe_key(config, task.name, warm, _quant_settings(profile))
+    root = cache_root() / "demo" / key
+    source, quantized = root / "hf", root / profile.quant.format
+    notes: dict = {}
+    built = False
+    if not source.exists():
+        notes = _atomic_dir(source, lambda tmp: build_demo_checkpoint(tmp, config, task, warm))
+        built = True
+    if not quantized.exists():
+        _atomic_dir(quantized, lambda tmp: quantize_into(source, tmp, profile))
+        built = True
+    return PreparedBase(quantized, source, built, notes)
+
+
+def load_policy(profile, base: PreparedBase):
+    """The frozen base from disk with fresh adapters attached, as a :class:`Policy`."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from orbitctl.model.adapters import attach_bottleneck, attach_lora
+    try:
+        from orbitctl.model.base import load_frozen_base
+    except ImportError:  # TEMP until the quantize path lands
+        def load_frozen_base(path, *, device, compute_dtype):
+            from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+            q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype,
+                                   bnb_4bit_use_double_quant=True, bnb_4bit_quant_storage=torch.bfloat16)
+            return AutoModelForCausalLM.from_pretrained(path, quantization_config=q, device_map=device, dtype=torch.bfloat16)
+    from orbitctl.model.policy import Policy
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[profile.quant.compute_dtype]
+    model = load_frozen_base(str(base.quantized_dir), device="cpu", compute_dtype=dtype)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    tok_dir = base.quantized_dir if (base.quantized_dir / "tokenizer.json").exists() or base.source_dir is None else base.source_dir
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    hidden = int(model.config.hidden_size)
+    attach = attach_lora if profile.adapter.kind == "lora" else attach_bottleneck
+    model, report = attach(model, profile.adapter, hidden, seed=profile.run.seed)
+    return Policy(model, tokenizer, report, hidden_size=hidden, adapter_kind=profile.adapter.kind,
+                  gradient_checkpointing=profile.memory.gradient_checkpointing)
