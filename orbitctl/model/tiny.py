@@ -5,7 +5,8 @@
 
 Tests, demos and benchmarks build their models here instead of downloading one. Every
 architecture has 2 layers and hidden size 64; every linear input dimension is a multiple of
-64 so that INT4 groups of 32 and 64 divide it. The shapes follow the real families: GQA for
+64 (INT4 groups of 32 and 64 divide it) and every output dimension a multiple of 32 (the
+bitsandbytes CPU kernel packs 32 rows at a time). The shapes follow the real families: GQA for
 llama, 3-D stacked routed experts for qwen3_moe, MLA + shared expert + a dense first layer
 for deepseek_v3.
 """
@@ -29,7 +30,7 @@ TINY_ARCHS: dict[str, dict[str, Any]] = {
     "deepseek_v3": dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=4, vocab_size=256, max_position_embeddings=256,
-        q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+        q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=16, v_head_dim=16,
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1,
         first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.0,
         tie_word_embeddings=False, rope_scaling=None,

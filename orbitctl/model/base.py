@@ -1,0 +1,183 @@
+"""Load the frozen quantized base written by `orbitctl quantize`, in any of its formats.
+
+    from orbitctl.model.base import load_frozen_base, model_memory_bytes
+    model = load_frozen_base("artifacts/tiny-llama-int4")   # a transformers PreTrainedModel
+    model_memory_bytes(model)["total"]
+
+- nf4 / fp4: transformers' own bitsandbytes loader (``Linear4bit``), straight from config.json.
+- int4 / fp8: the model is built without weights, every quantized ``nn.Linear`` becomes a
+  :class:`~orbitctl.model.quant_linear.QuantLinear` and every fused experts module a
+  :class:`~orbitctl.model.quant_linear.QuantExperts`; tensors are then read one by one
+  into the parameters of the same names. Dequantization is plain torch, per forward.
+- none: a plain transformers model in the compute dtype.
+
+Every parameter of the base has ``requires_grad=False``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from orbitctl.errors import InputFileError, UserError
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def checkpoint_format(path: str | Path) -> str:
+    """nf4, fp4, int4, fp8 or none, from the checkpoint's config.json."""
+    from orbitctl.quant.qconfig import spec_from_quantization_config
+
+    config_file = Path(path) / "config.json"
+    if not config_file.exists():
+        raise InputFileError(f"{config_file}: not found", fix="run orbitctl quantize first, or check model.quantized_path")
+    qc = json.loads(config_file.read_text()).get("quantization_config")
+    try:
+        return spec_from_quantization_config(qc).fmt
+    except ValueError as exc:
+        raise UserError(f"{config_file}: {exc}", fix="load checkpoints written by orbitctl quantize") from exc
+
+
+def load_frozen_base(quantized_dir: str | Path, *, device: str | torch.device = "cpu",
+                     compute_dtype: torch.dtype = torch.bfloat16):
+    """The frozen base model of ``quantized_dir`` on ``device``, every parameter with requires_grad=False."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(quantized_dir)
+    fmt = checkpoint_format(path)
+    if fmt in ("int4", "fp8"):
+        model = _load_with_quant_linear(path, torch.device(device), compute_dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype, device_map=str(device))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.eval()
+    return model
+
+
+def load_frozen_base_for_profile(profile, *, device: str | torch.device = "cpu"):
+    """The frozen base a profile names: model.quantized_path (or model.path when quant.format is none)."""
+    fmt = profile.quant.format
+    path = profile.model.quantized_path or (profile.model.path if fmt == "none" else None)
+    if not path:
+        raise UserError("model.quantized_path is not set", fix="set it in the profile and run orbitctl quantize PROFILE")
+    found = checkpoint_format(path)
+    if found != fmt:
+        raise UserError(f"{path}: holds a {found} checkpoint but quant.format is {fmt}",
+                        fix="run orbitctl quantize PROFILE again, or set quant.format to match")
+    return load_frozen_base(path, device=device, compute_dtype=_DTYPES[profile.quant.compute_dtype])
+
+
+def model_memory_bytes(model: nn.Module) -> dict[str, int]:
+    """True in-memory bytes: parameters and buffers as stored (packed), plus bitsandbytes quant states."""
+    seen: set[int] = set()
+
+    def size(t: torch.Tensor | None) -> int:
+        if t is None or t.device.type == "meta" or t.data_ptr() in seen:
+            return 0
+        seen.add(t.data_ptr())
+        return t.numel() * t.element_size()
+
+    params = sum(size(p) for p in model.parameters())
+    buffers = sum(size(b) for b in model.buffers())
+    quant_state = 0
+    for p in model.parameters():
+        state = getattr(p, "quant_state", None)
+        while state is not None:
+            quant_state += size(getattr(state, "absmax", None)) + size(getattr(state, "code", None))
+            state = getattr(state, "state2", None)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"params": params, "buffers": buffers, "quant_state": quant_state,
+            "total": params + buffers + quant_state, "trainable_params": trainable}
+
+
+def _load_with_quant_linear(path: Path, device: torch.device, compute_dtype: torch.dtype):
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from orbitctl.quant.source import open_checkpoint
+
+    ckpt = open_checkpoint(path)
+    config = AutoConfig.from_pretrained(path)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
+    shapes = {name: e.shape for name, e in ckpt.entries.items()}
+    _swap_modules(model, shapes)
+    _load_tensors(model, ckpt, device)
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in shapes:
+        model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise InputFileError(f"{path}: checkpoint has no tensor for {len(missing)} parameter(s), e.g. {missing[0]}",
+                             fix="the checkpoint is incomplete; run orbitctl quantize --verify on it")
+    return model.to(device)
+
+
+def _quant_linear_for(prefix: str, in_f: int, out_f: int, shapes: dict[str, tuple]) -> nn.Module:
+    from orbitctl.model.quant_linear import QuantLinear
+
+    bias = f"{prefix}.bias" in shapes
+    if f"{prefix}.weight_packed" in shapes:
+        groups = shapes[f"{prefix}.weight_scale"][-1]
+        return QuantLinear(in_f, out_f, "int4", group_size=in_f // groups, bias=bias, device="meta")
+    if f"{prefix}.weight_scale_inv" in shapes:
+        return QuantLinear(in_f, out_f, "fp8", bias=bias, device="meta")
+    return nn.Linear(in_f, out_f, bias=bias, device="meta")
+
+
+def _swap_modules(model: nn.Module, shapes: dict[str, tuple]) -> None:
+    """Replace quantized linears and fused experts with modules shaped like the checkpoint."""
+    from orbitctl.model.quant_linear import ExpertMLP, QuantExperts
+
+    swaps: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and (f"{name}.weight_packed" in shapes or f"{name}.weight_scale_inv" in shapes):
+            swaps.append((name, _quant_linear_for(name, module.in_features, module.out_features, shapes)))
+        elif _is_fused_experts(module) and f"{name}.gate_up_proj" not in shapes:
+            n_exp, hidden, inter = module.down_proj.shape[0], module.down_proj.shape[1], module.down_proj.shape[2]
+            experts = [ExpertMLP(_quant_linear_for(f"{name}.{e}.gate_proj", hidden, inter, shapes),
+                                 _quant_linear_for(f"{name}.{e}.up_proj", hidden, inter, shapes),
+                                 _quant_linear_for(f"{name}.{e}.down_proj", inter, hidden, shapes)) for e in range(n_exp)]
+            swaps.append((name, QuantExperts(experts, module.act_fn)))
+    for name, new in swaps:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def _is_fused_experts(module: nn.Module) -> bool:
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
+
+
+def _load_tensors(model: nn.Module, ckpt: Any, device: torch.device) -> None:
+    from orbitctl.quant.safetensors_io import read_tensor
+
+    handles: dict[Path, Any] = {}
+    try:
+        for name, entry in ckpt.entries.items():
+            module_name, _, attr = name.rpartition(".")
+            try:
+                module = model.get_submodule(module_name)
+            except AttributeError:
+                raise InputFileError(f"{entry.file}: tensor '{name}' has no place in a {type(model).__name__}",
+                                     fix="the checkpoint does not match its config.json") from None
+            handle = handles.get(entry.file) or handles.setdefault(entry.file, entry.file.open("rb"))
+            tensor = read_tensor(entry, handle)
+            current = getattr(module, attr, None)
+            if current is not None and current.is_floating_point() and tensor.is_floating_point() and \
+                    tensor.dtype not in (torch.float8_e4m3fn,) and current.dtype != tensor.dtype:
+                tensor = tensor.to(current.dtype)
+            tensor = tensor.to(device)
+            if attr in module._buffers:
+                module._buffers[attr] = tensor
+            else:
+                setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+    finally:
+        for h in handles.values():
+            h.close()

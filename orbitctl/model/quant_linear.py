@@ -1,0 +1,96 @@
+"""Frozen INT4 / FP8 linear layers that dequantize with plain torch ops on every forward.
+
+No custom kernels: the same code runs on CPU, on CUDA, under ``FakeTensorMode`` (the memory
+planner's shadow runs) and under ``torch.compile``. Parameter names equal the checkpoint's
+tensor names (``weight_packed``/``weight_scale``/``weight_shape`` for INT4,
+``weight``/``weight_scale_inv`` for FP8), so ``state_dict()`` round-trips to the file
+layout. The quantized data are frozen ``nn.Parameter``s rather than buffers so that ZeRO-3
+shards them like any other weight.
+
+Routed experts: transformers 5 holds them fused ([E, 2I, H]); :class:`QuantExperts` keeps one
+:class:`QuantLinear` per expert and projection instead (named like the checkpoint,
+``experts.N.gate_proj``) and dequantizes only the experts a batch routes to, one at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from orbitctl.quant.formats import dequantize_fp8_blocks, dequantize_int4
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T + b with W stored as symmetric group INT4 (``fmt='int4'``) or 128x128-block FP8 (``fmt='fp8'``)."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: str, *, group_size: int = 32, bias: bool = False,
+                 device=None) -> None:
+        super().__init__()
+        if fmt not in ("int4", "fp8"):
+            raise ValueError(f"QuantLinear stores int4 or fp8, not {fmt}")
+        self.in_features, self.out_features, self.fmt, self.group_size = in_features, out_features, fmt, group_size
+        if fmt == "int4":
+            self.weight_packed = _frozen(torch.empty(out_features, in_features // 8, dtype=torch.int32, device=device))
+            self.weight_scale = _frozen(torch.empty(out_features, in_features // group_size, dtype=torch.bfloat16, device=device))
+            self.register_buffer("weight_shape", torch.tensor([out_features, in_features], dtype=torch.int64, device=device))
+        else:
+            blocks = (-(-out_features // 128), -(-in_features // 128))
+            self.weight = _frozen(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device))
+            self.weight_scale_inv = _frozen(torch.empty(blocks, dtype=torch.float32, device=device))
+        self.bias = _frozen(torch.zeros(out_features, dtype=torch.bfloat16, device=device)) if bias else None
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The dense [out, in] weight this layer stands for (a fresh tensor)."""
+        if self.fmt == "int4":
+            return dequantize_int4(self.weight_packed, self.weight_scale, self.in_features, dtype)
+        return dequantize_fp8_blocks(self.weight, self.weight_scale_inv, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.dequantized_weight(x.dtype)
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return nn.functional.linear(x, w, bias)
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.fmt == "int4" else ", block=128x128"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}{group}"
+
+
+class ExpertMLP(nn.Module):
+    """One routed expert: down(act(gate(x)) * up(x)), each projection quantized or plain."""
+
+    def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+
+
+class QuantExperts(nn.Module):
+    """Drop-in for transformers 5's fused ``*Experts`` module: same forward signature and result."""
+
+    def __init__(self, experts: list[ExpertMLP], act_fn) -> None:
+        super().__init__()
+        self.num_experts = len(experts)
+        # registered under the checkpoint's names: experts.N.gate_proj ...
+        for i, expert in enumerate(experts):
+            self.add_module(str(i), expert)
+        self.act_fn = act_fn
+
+    def expert(self, index: int) -> ExpertMLP:
+        return getattr(self, str(index))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for idx in hit.flatten().tolist():
+            top_k_pos, token_idx = torch.where(mask[idx])
+            expert = self.expert(idx)
+            x = hidden_states[token_idx]
+            h = self.act_fn(expert.gate_proj(x)) * expert.up_proj(x)
+            h = expert.down_proj(h) * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, h.to(final.dtype))
+        return final

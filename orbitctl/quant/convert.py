@@ -1,0 +1,288 @@
+"""The streaming converter behind `orbitctl quantize`: HF checkpoint in, frozen quantized base out.
+
+    from orbitctl.quant.convert import quantize_checkpoint
+    result = quantize_checkpoint("hf/llama", "out/llama-nf4", fmt="nf4")
+
+One source tensor is in memory at a time (plus what it is quantized into), whatever the model
+size. The tensor-to-shard plan is fixed before the first byte is written, every shard is
+written under a temporary name and renamed when complete, and the manifest comes last, so an
+interrupted run rerun with the same arguments resumes at the first unfinished shard and ends
+with the same bytes as a run that was never interrupted.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from orbitctl.errors import UserError
+from orbitctl.quant import manifest as mf
+from orbitctl.quant.formats import FORMATS, INT4_GROUPS, FormatSpec, dequantize_weight, quantize_weight, stored_specs, unsupported_reason
+from orbitctl.quant.output import finish_output, prepare_output
+from orbitctl.quant.qconfig import check_int4_config
+from orbitctl.quant.report import tensor_stats
+from orbitctl.quant.safetensors_io import DTYPE_NAMES, ShardWriter, header_reserve
+from orbitctl.quant.source import Checkpoint, open_checkpoint
+from orbitctl.quant.targets import module_kind, quant_decision
+
+DEFAULT_MAX_SHARD_BYTES = 2 * 1000**3
+ProgressFn = Callable[[int, int], None]
+# Test hook: seconds to sleep after each finished shard, so a test can kill the run mid-way.
+PAUSE_ENV = "ORBITCTL_QUANTIZE_PAUSE_AFTER_SHARD_S"
+MOE_BNB_REASON = "routed experts stay bf16 in nf4/fp4: transformers loads bitsandbytes 4-bit only into nn.Linear, not fused experts"
+
+
+@dataclass
+class QuantizeResult:
+    """What a conversion produced; ``report`` is the content of quant_report.json."""
+
+    source: str
+    output: str
+    format: dict
+    shards: int
+    resumed_shards: int
+    bytes_in: int
+    bytes_out: int
+    bits_per_weight: float | None
+    seconds: float
+    report_path: str
+    manifest_path: str
+    report: dict = field(repr=False, default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ConvertOptions:
+    spec: FormatSpec
+    modules: str
+    skip: tuple[str, ...]
+    max_shard_bytes: int
+    compute_dtype: str = "bfloat16"
+
+    def as_dict(self) -> dict:
+        return {**asdict(self.spec), "modules": self.modules, "skip": list(self.skip),
+                "max_shard_bytes": self.max_shard_bytes, "compute_dtype": self.compute_dtype}
+
+
+def quantize_checkpoint(
+    src: str | Path,
+    out: str | Path,
+    *,
+    fmt: str,
+    group_size: int = 64,
+    double_quant: bool = True,
+    storage_dtype: str = "bf16",
+    modules: str = "all-linear",
+    skip: tuple[str, ...] | list[str] = ("lm_head",),
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: ProgressFn | None = None,
+    eval_prompts: int = 0,
+    compute_dtype: str = "bfloat16",
+) -> QuantizeResult:
+    """Convert ``src`` into ``out`` in format ``fmt`` (nf4, fp4, int4, fp8 or none), resuming if ``out`` holds an unfinished run."""
+    started = time.monotonic()
+    opts = _options(fmt, group_size, double_quant, storage_dtype, modules, skip, max_shard_bytes, compute_dtype)
+    ckpt = open_checkpoint(src)
+    passthrough = _passthrough(ckpt, opts)
+    plan = make_plan(ckpt, opts, passthrough)
+    out = Path(out)
+    state = prepare_output(out, plan)
+    if state.complete:
+        return _result(ckpt, out, plan, state.report, resumed=len(plan["shards"]), started=started)
+    total = ckpt.source_bytes()
+    done_bytes = 0
+    records = []
+    for shard in plan["shards"]:
+        record = state.done.get(shard["file"])
+        if record is None:
+            record = write_shard(ckpt, out, shard, opts, passthrough, lambda n: progress and progress(done_bytes + n, total))
+            mf.append_progress(out, record)
+            _pause_for_tests()
+        records.append(record)
+        done_bytes += shard["source_bytes"]
+        if progress:
+            progress(done_bytes, total)
+    report = finish_output(ckpt, out, plan, records, opts, passthrough, eval_prompts)
+    return _result(ckpt, out, plan, report, resumed=len(state.done), started=started)
+
+
+def _options(fmt, group_size, double_quant, storage_dtype, modules, skip, max_shard_bytes, compute_dtype) -> ConvertOptions:
+    if fmt not in FORMATS:
+        raise UserError(f"unknown format '{fmt}'", fix=f"use one of {', '.join(FORMATS)}")
+    if fmt == "int4" and group_size not in INT4_GROUPS:
+        raise UserError(f"quant.group_size: INT4 groups of {group_size} are not supported", fix="use 32, 64 or 128")
+    if fmt in ("nf4", "fp4") and (group_size < 32 or group_size & (group_size - 1)):
+        raise UserError(f"quant.group_size: bitsandbytes block size {group_size} is not a power of two >= 32", fix="use 64 (the default)")
+    if storage_dtype not in ("bf16", "uint8"):
+        raise UserError(f"quant.storage_dtype: '{storage_dtype}' is not supported", fix="use bf16 or uint8")
+    if modules not in ("all-linear", "experts"):
+        raise UserError(f"quant.modules: '{modules}' is not supported", fix="use all-linear or experts")
+    if max_shard_bytes < 1:
+        raise UserError("max_shard_bytes must be positive")
+    if fmt == "fp8":
+        group_size, double_quant, storage_dtype = 128, False, "bf16"
+    elif fmt in ("int4", "none"):
+        double_quant, storage_dtype = False, "bf16"
+    return ConvertOptions(FormatSpec(fmt, group_size, double_quant, storage_dtype), modules, tuple(skip), int(max_shard_bytes), compute_dtype)
+
+
+def _passthrough(ckpt: Checkpoint, opts: ConvertOptions) -> bool:
+    """True when the source already is the requested format and is copied as is, never re-quantized."""
+    source = ckpt.source_quant
+    qc = ckpt.config.get("quantization_config") or {}
+    if source == "none":
+        return False
+    if source == "int4":
+        problem = check_int4_config(qc)
+        if problem:
+            raise UserError(f"{ckpt.path / 'config.json'}: compressed-tensors checkpoint with {problem} is not supported",
+                            fix="orbitctl reads symmetric group-wise INT4 pack-quantized checkpoints")
+        if opts.spec.fmt != "int4":
+            raise UserError(f"{ckpt.path}: already INT4 (compressed-tensors pack-quantized); re-quantizing it to {opts.spec.fmt} "
+                            "would discard its quantization-aware training", fix="use --format int4 to take it as is")
+        return True
+    if source == "fp8":
+        return opts.spec.fmt == "fp8" and list(qc.get("weight_block_size") or [128, 128]) == [128, 128]
+    raise UserError(f"{ckpt.path / 'config.json'}: quant_method '{source}' checkpoints cannot be converted",
+                    fix="start from the bf16, FP8 (DeepSeek-V3 layout) or compressed-tensors INT4 checkpoint")
+
+
+def tensor_decision(ckpt: Checkpoint, name: str, opts: ConvertOptions, passthrough: bool, moe: bool) -> str | None:
+    """None if ``name`` is quantized, else why it is written as it is (or in bf16)."""
+    if passthrough:
+        return "already quantized: copied as is"
+    entry = ckpt.entries[name]
+    if opts.spec.fmt == "none":
+        return "format none"
+    reason = quant_decision(name, len(entry.shape), modules=opts.modules, skip=opts.skip)
+    if reason:
+        return reason
+    if opts.spec.fmt in ("nf4", "fp4") and moe and module_kind(name) == "experts":
+        return MOE_BNB_REASON
+    return unsupported_reason(entry.shape, opts.spec)
+
+
+def make_plan(ckpt: Checkpoint, opts: ConvertOptions, passthrough: bool) -> dict:
+    """Assign source tensors to output shards in file order, by their estimated output size."""
+    moe = any(module_kind(n) == "experts" for n in ckpt.entries)
+    if opts.spec.fmt in ("nf4", "fp4") and opts.modules == "experts" and moe:
+        raise UserError(f"quant.modules: experts with format {opts.spec.fmt}: {MOE_BNB_REASON}", fix="use --format int4 or fp8")
+    names = ckpt.entries if passthrough else ckpt.weight_names()
+    shards: list[dict] = []
+    current: dict = {"tensors": [], "estimated_bytes": 0, "source_bytes": 0}
+    for name in names:
+        entry = ckpt.entries[name]
+        est = sum(_spec_bytes(s) for s in planned_outputs(ckpt, name, opts, passthrough, moe))
+        src_bytes = entry.nbytes + (ckpt.entries[name + "_scale_inv"].nbytes if name + "_scale_inv" in ckpt.entries and not passthrough else 0)
+        if current["tensors"] and current["estimated_bytes"] + est > opts.max_shard_bytes:
+            shards.append(current)
+            current = {"tensors": [], "estimated_bytes": 0, "source_bytes": 0}
+        current["tensors"].append(name)
+        current["estimated_bytes"] += est
+        current["source_bytes"] += src_bytes
+    if current["tensors"] or not shards:
+        shards.append(current)
+    n = len(shards)
+    for i, shard in enumerate(shards):
+        shard["file"] = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+    return {"version": mf.MANIFEST_VERSION, "source": str(ckpt.path), "fingerprint": ckpt.fingerprint(),
+            "options": opts.as_dict(), "passthrough": passthrough, "moe": moe, "shards": shards}
+
+
+def planned_outputs(ckpt: Checkpoint, name: str, opts: ConvertOptions, passthrough: bool, moe: bool) -> list[tuple[str, str, tuple]]:
+    entry = ckpt.entries[name]
+    if tensor_decision(ckpt, name, opts, passthrough, moe) is None:
+        return stored_specs(name, entry.shape, opts.spec)
+    return [(name, _kept_dtype(entry.dtype, passthrough), entry.shape)]
+
+
+def _kept_dtype(dtype: str, passthrough: bool) -> str:
+    return "BF16" if dtype == "F8_E4M3" and not passthrough else dtype
+
+
+_SIZES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2}
+
+
+def _spec_bytes(spec: tuple[str, str, tuple]) -> int:
+    n = 1
+    for d in spec[2]:
+        n *= d
+    return n * _SIZES.get(spec[1], 1)
+
+
+def write_shard(ckpt: Checkpoint, out: Path, shard: dict, opts: ConvertOptions, passthrough: bool,
+                on_bytes: Callable[[int], None]) -> dict:
+    """Write one output shard (temp name, fsync, rename) and return its progress record."""
+    import torch
+
+    moe_flag = any(module_kind(n) == "experts" for n in ckpt.entries)
+    specs = [s for n in shard["tensors"] for s in planned_outputs(ckpt, n, opts, passthrough, moe_flag)]
+    final = out / shard["file"]
+    tmp = out / (shard["file"] + mf.PARTIAL_SUFFIX)
+    writer = ShardWriter(tmp, header_reserve(specs))
+    quantized, kept, names, read_bytes = [], [], [], 0
+    handles: dict[Path, object] = {}
+    try:
+        for name in shard["tensors"]:
+            entry = ckpt.entries[name]
+            handle = handles.get(entry.file) or handles.setdefault(entry.file, entry.file.open("rb"))
+            tensor = ckpt.read(name, None if passthrough else handle) if not passthrough else _raw(ckpt, name, handle)
+            reason = tensor_decision(ckpt, name, opts, passthrough, moe_flag)
+            if reason is None:
+                stored = quantize_weight(name, tensor, opts.spec)
+                restored = dequantize_weight(name, stored, opts.spec.fmt, dtype=torch.float32)
+                bytes_out = sum(v.numel() * v.element_size() for v in stored.values())
+                quantized.append(tensor_stats(name, module_kind(name), tensor, restored, _source_bytes(ckpt, name), bytes_out))
+                del restored
+                for key, value in stored.items():
+                    writer.add(key, value)
+                    names.append(key)
+            else:
+                writer.add(name, tensor)
+                names.append(name)
+                kept.append({"name": name, "kind": module_kind(name), "reason": reason, "dtype": DTYPE_NAMES[tensor.dtype],
+                             "params": tensor.numel(), "bytes_out": tensor.numel() * tensor.element_size()})
+            del tensor
+            read_bytes += _source_bytes(ckpt, name) if not passthrough else entry.nbytes
+            on_bytes(read_bytes)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        for h in handles.values():
+            h.close()
+    os.replace(tmp, final)
+    return {"shard": shard["file"], "sha256": mf.sha256_file(final), "bytes": final.stat().st_size,
+            "tensors": sorted(names), "quantized": quantized, "kept": kept}
+
+
+def _raw(ckpt: Checkpoint, name: str, handle):
+    from orbitctl.quant.safetensors_io import read_tensor
+
+    return read_tensor(ckpt.entries[name], handle)
+
+
+def _source_bytes(ckpt: Checkpoint, name: str) -> int:
+    scale = ckpt.entries.get(name + "_scale_inv")
+    return ckpt.entries[name].nbytes + (scale.nbytes if scale else 0)
+
+
+def _pause_for_tests() -> None:
+    delay = float(os.environ.get(PAUSE_ENV, "0") or 0)
+    if delay > 0:
+        time.sleep(delay)
+
+
+def _result(ckpt: Checkpoint, out: Path, plan: dict, report: dict, *, resumed: int, started: float) -> QuantizeResult:
+    return QuantizeResult(
+        source=str(ckpt.path), output=str(out), format=report.get("format", {}), shards=len(plan["shards"]),
+        resumed_shards=resumed, bytes_in=report.get("bytes_in", 0), bytes_out=report.get("bytes_out", 0),
+        bits_per_weight=report.get("bits_per_weight_quantized"), seconds=round(time.monotonic() - started, 3),
+        report_path=str(out / mf.REPORT_NAME), manifest_path=str(out / mf.MANIFEST_NAME), report=report,
+    )

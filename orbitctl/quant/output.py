@@ -1,0 +1,124 @@
+"""The output directory of a conversion: fresh, resumable or complete; and how it is finished.
+
+Finishing writes, in this order: the shard index, config.json with its quantization_config,
+the tokenizer and generation files, the quality report, and the manifest last of all.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orbitctl.errors import UserError
+from orbitctl.quant import manifest as mf
+from orbitctl.quant.qconfig import quantization_config
+from orbitctl.quant.report import build_report, compare_next_token
+from orbitctl.quant.source import INDEX_NAME
+
+# Files of a checkpoint that describe weights, not the model: never copied next to the output.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
+
+
+@dataclass
+class OutputState:
+    complete: bool = False
+    done: dict[str, dict] = field(default_factory=dict)
+    report: dict = field(default_factory=dict)
+
+
+def prepare_output(out: Path, plan: dict) -> OutputState:
+    """Create ``out``, or find the unfinished (or finished) run of the same conversion in it.
+
+    Any other non-empty directory is refused: the converter never mixes two runs' files.
+    """
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: exists and is not a directory", fix="choose another output directory")
+    out.mkdir(parents=True, exist_ok=True)
+    same = lambda doc: doc and doc.get("fingerprint") == plan["fingerprint"] and doc.get("options") == plan["options"]  # noqa: E731
+    manifest = mf.read_json(out / mf.MANIFEST_NAME)
+    if manifest is not None:
+        if same(manifest.get("source", {}) | {"options": manifest.get("options")}):
+            return OutputState(complete=True, report=mf.read_json(out / mf.REPORT_NAME) or {})
+        raise UserError(f"{out}: holds a finished conversion of another source or with other options",
+                        fix="choose an empty output directory (or delete this one)")
+    existing_plan = mf.read_json(out / mf.PLAN_NAME)
+    if existing_plan is not None:
+        if not same(existing_plan) or existing_plan.get("shards") != plan["shards"]:
+            raise UserError(f"{out}: holds an unfinished conversion of another source or with other options",
+                            fix="rerun with the original arguments to resume it, or choose an empty directory")
+        for partial in out.glob("*" + mf.PARTIAL_SUFFIX):
+            partial.unlink()
+        done = {}
+        for name, record in mf.read_progress(out).items():
+            path = out / name
+            if path.exists() and path.stat().st_size == record["bytes"] and mf.sha256_file(path) == record["sha256"]:
+                done[name] = record
+        return OutputState(done=done)
+    if any(out.iterdir()):
+        raise UserError(f"{out}: output directory is not empty and holds no resumable orbitctl quantize run",
+                        fix="choose an empty or new directory")
+    mf.write_json_atomic(out / mf.PLAN_NAME, plan)
+    return OutputState()
+
+
+def finish_output(ckpt, out: Path, plan: dict, records: list[dict], opts, passthrough: bool, eval_prompts: int) -> dict:
+    """Index, config, side files, (evaluation), report, then the manifest; returns the report."""
+    weight_map = {t: r["shard"] for r in records for t in r["tensors"]}
+    if len(records) > 1:
+        total = sum(r["bytes"] for r in records)
+        mf.write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+    quantized = [t for r in records for t in r["quantized"]]
+    kept = [t for r in records for t in r["kept"]]
+    mf.write_json_atomic(out / "config.json", output_config(ckpt.config, opts, kept, passthrough))
+    copy_side_files(ckpt.path, out)
+    bytes_out = sum(r["bytes"] for r in records)
+    report = build_report(source=str(ckpt.path), spec=opts.spec.describe(), quantized=quantized, kept=kept,
+                          passthrough=passthrough, bytes_in=ckpt.source_bytes(), bytes_out=bytes_out)
+    if eval_prompts > 0:
+        report["eval"] = compare_next_token(str(ckpt.path), str(out), eval_prompts)
+    mf.write_json_atomic(out / mf.REPORT_NAME, report)
+    files = {p.name: {"sha256": mf.sha256_file(p), "bytes": p.stat().st_size}
+             for p in sorted(out.iterdir()) if p.is_file() and not p.name.startswith(".") and p.name != mf.MANIFEST_NAME}
+    manifest = {
+        "version": mf.MANIFEST_VERSION,
+        "tool": "orbitctl quantize",
+        "format": opts.spec.describe(),
+        "source": {"path": str(ckpt.path), "fingerprint": plan["fingerprint"]},
+        "options": plan["options"],
+        "files": files,
+    }
+    mf.write_json_atomic(out / mf.MANIFEST_NAME, manifest)
+    (out / mf.PLAN_NAME).unlink(missing_ok=True)
+    (out / mf.PROGRESS_NAME).unlink(missing_ok=True)
+    return report
+
+
+def output_config(config: dict, opts, kept: list[dict], passthrough: bool) -> dict:
+    """The source config with the quantization_config of the output format."""
+    out = dict(config)
+    if passthrough:
+        return out
+    # bitsandbytes only ever converts nn.Linear; transformers 5 holds routed experts fused, not as nn.Linear
+    kinds = ("lm_head", "attention", "mlp", "shared_experts") + (() if opts.spec.fmt in ("nf4", "fp4") else ("experts",))
+    linear_kept = sorted({k["name"][: -len(".weight")] for k in kept if k["name"].endswith(".weight") and k["kind"] in kinds})
+    qc = quantization_config(opts.spec, linear_kept, opts.compute_dtype)
+    if qc is None:
+        out.pop("quantization_config", None)
+    else:
+        out["quantization_config"] = qc
+    return out
+
+
+def copy_side_files(src: Path, out: Path) -> None:
+    """Tokenizer, generation config, chat template, remote code: every top-level file that is not weights."""
+    for path in sorted(src.iterdir()):
+        if not path.is_file() or path.name.startswith("."):
+            continue
+        if path.name in ("config.json", INDEX_NAME, mf.MANIFEST_NAME, mf.REPORT_NAME) or path.name.endswith(WEIGHT_SUFFIXES):
+            continue
+        if path.name.endswith(".index.json"):
+            continue
+        shutil.copyfile(path, out / (path.name + mf.PARTIAL_SUFFIX))
+        (out / (path.name + mf.PARTIAL_SUFFIX)).replace(out / path.name)
+

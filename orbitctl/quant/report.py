@@ -1,0 +1,133 @@
+"""The quality report: what quantization did to every weight, and to the next-token distribution.
+
+Per tensor: relative Frobenius error ||W - Q(W)|| / ||W||, max abs error, SQNR in dB. Per
+module kind (attention, dense MLP, shared experts, routed experts) the sums are pooled, so
+the kind's error is the error of all its weights taken together. Bytes in/out and bits per
+weight count every stored tensor, metadata included. The file ``quant_report.json`` holds
+no timings, so two runs over the same input write the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SUMMARY_KINDS = ("attention", "mlp", "shared_experts", "experts", "lm_head")
+
+
+def tensor_stats(name: str, kind: str, original: torch.Tensor, restored: torch.Tensor, bytes_in: int, bytes_out: int) -> dict:
+    """Error of one quantized weight against the weight it came from."""
+    err_sq = ref_sq = max_abs = 0.0
+    # row chunks keep the float32 transients small next to the weight itself
+    for r in range(0, original.shape[0], 1024):
+        w = original[r:r + 1024].float()
+        err = restored[r:r + 1024].float() - w
+        err_sq += float((err * err).sum())
+        ref_sq += float((w * w).sum())
+        if err.numel():
+            max_abs = max(max_abs, float(err.abs().max()))
+    return {
+        "name": name, "kind": kind, "shape": list(original.shape), "params": original.numel(),
+        "bytes_in": bytes_in, "bytes_out": bytes_out,
+        "rel_fro_error": _rel(err_sq, ref_sq), "max_abs_error": max_abs,
+        "sqnr_db": _sqnr(err_sq, ref_sq), "err_sq": err_sq, "ref_sq": ref_sq,
+    }
+
+
+def _rel(err_sq: float, ref_sq: float) -> float:
+    return math.sqrt(err_sq / ref_sq) if ref_sq > 0 else 0.0
+
+
+def _sqnr(err_sq: float, ref_sq: float) -> float | None:
+    if err_sq == 0:
+        return None  # exact: infinite SQNR, JSON has no inf
+    return 10.0 * math.log10(ref_sq / err_sq) if ref_sq > 0 else None
+
+
+def summarize(quantized: list[dict], kept: list[dict]) -> dict:
+    """Per module kind: count, params, pooled relative error and SQNR, worst tensor, bits per weight."""
+    kinds: dict[str, dict] = {}
+    for t in quantized:
+        k = kinds.setdefault(t["kind"], {"tensors": 0, "params": 0, "bytes_in": 0, "bytes_out": 0, "err_sq": 0.0,
+                                         "ref_sq": 0.0, "max_abs_error": 0.0, "worst_rel_fro_error": 0.0, "worst_tensor": None})
+        k["tensors"] += 1
+        k["params"] += t["params"]
+        k["bytes_in"] += t["bytes_in"]
+        k["bytes_out"] += t["bytes_out"]
+        k["err_sq"] += t.get("err_sq", 0.0)
+        k["ref_sq"] += t.get("ref_sq", 0.0)
+        k["max_abs_error"] = max(k["max_abs_error"], t.get("max_abs_error") or 0.0)
+        if (t.get("rel_fro_error") or 0.0) >= k["worst_rel_fro_error"]:
+            k["worst_rel_fro_error"], k["worst_tensor"] = t.get("rel_fro_error") or 0.0, t["name"]
+    out = {}
+    for kind in sorted(kinds, key=lambda k: (SUMMARY_KINDS.index(k) if k in SUMMARY_KINDS else 99, k)):
+        k = kinds[kind]
+        out[kind] = {
+            "tensors": k["tensors"], "params": k["params"], "bytes_in": k["bytes_in"], "bytes_out": k["bytes_out"],
+            "rel_fro_error": _rel(k["err_sq"], k["ref_sq"]), "sqnr_db": _sqnr(k["err_sq"], k["ref_sq"]),
+            "max_abs_error": k["max_abs_error"], "worst_rel_fro_error": k["worst_rel_fro_error"], "worst_tensor": k["worst_tensor"],
+            "bits_per_weight": 8.0 * k["bytes_out"] / k["params"] if k["params"] else 0.0,
+        }
+    kept_kinds: dict[str, dict] = {}
+    for t in kept:
+        k = kept_kinds.setdefault(t["kind"], {"tensors": 0, "params": 0, "bytes_out": 0})
+        k["tensors"] += 1
+        k["params"] += t["params"]
+        k["bytes_out"] += t["bytes_out"]
+    return {"quantized": out, "kept": dict(sorted(kept_kinds.items()))}
+
+
+def build_report(*, source: str, spec: dict, quantized: list[dict], kept: list[dict],
+                 passthrough: bool, bytes_in: int, bytes_out: int) -> dict:
+    """The whole ``quant_report.json`` document."""
+    q_params = sum(t["params"] for t in quantized)
+    q_bytes = sum(t["bytes_out"] for t in quantized)
+    all_params = q_params + sum(t["params"] for t in kept)
+    return {
+        "source": source,
+        "format": spec,
+        "passthrough": passthrough,
+        "bytes_in": bytes_in,
+        "bytes_out": bytes_out,
+        "params": all_params,
+        "quantized_params": q_params,
+        "bits_per_weight_quantized": 8.0 * q_bytes / q_params if q_params else None,
+        "bits_per_weight_model": 8.0 * bytes_out / all_params if all_params else None,
+        "summary": summarize(quantized, kept),
+        "tensors": [{k: v for k, v in t.items() if k not in ("err_sq", "ref_sq")} for t in quantized],
+        "kept": [{"name": t["name"], "kind": t["kind"], "reason": t["reason"], "dtype": t["dtype"]} for t in kept],
+    }
+
+
+def compare_next_token(src: str, out: str, num_prompts: int, *, seq_len: int = 16, seed: int = 0) -> dict:
+    """Original vs quantized next-token distributions on ``num_prompts`` seeded random prompts.
+
+    Every position of every prompt counts as one next-token distribution. Needs the
+    original model to fit in host memory (it is loaded whole, in bf16).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from orbitctl.align.metrics import js_divergence, logsoftmax_l1, topk_agreement
+    from orbitctl.model.base import load_frozen_base
+
+    original = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, device_map="cpu").eval()
+    quantized = load_frozen_base(out).eval()
+    vocab = original.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, vocab, (num_prompts, seq_len), generator=gen)
+    js, l1, top1 = [], [], []
+    with torch.no_grad():
+        for row in prompts:
+            ids = row.unsqueeze(0)
+            logp_a = torch.log_softmax(original(ids).logits.float(), -1)
+            logp_b = torch.log_softmax(quantized(ids).logits.float(), -1)
+            js.append(js_divergence(logp_a, logp_b).flatten())
+            l1.append(logsoftmax_l1(logp_a, logp_b).flatten())
+            top1.append(topk_agreement(logp_a, logp_b, k=1).flatten())
+    js_all, l1_all, top_all = torch.cat(js), torch.cat(l1), torch.cat(top1)
+    return {
+        "prompts": num_prompts, "positions": int(js_all.numel()), "seq_len": seq_len, "seed": seed,
+        "js_mean": float(js_all.mean()), "js_max": float(js_all.max()),
+        "top1_agreement": float(top_all.mean()), "logsoftmax_l1_mean": float(l1_all.mean()),
+    }
