@@ -1,0 +1,93 @@
+"""`orbitctl doctor`: what is wrong with this machine, and why did the run die.
+
+    orbitctl doctor
+    orbitctl doctor --log train.log --profile profiles/kimi-k2_grpo_int4_8xb200.yaml
+    orbitctl doctor --save-snapshot node7.json
+    orbitctl doctor --snapshot node7.json --json
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from orbitctl.cli import output
+from orbitctl.cli.common import JsonOption, SetOption, overrides
+
+STYLE = {"FAIL": "bold red", "WARN": "yellow", "UNKNOWN": "magenta", "INFO": "cyan", "PASS": "green", "SKIP": "dim"}
+AREAS = ("log", "GPU", "topology", "NCCL", "memory", "host")
+
+
+def doctor(
+    log: Optional[str] = typer.Option(None, "--log", "-l", metavar="FILE", help="A failed run's log to triage ('-' reads stdin)."),
+    profile: Optional[str] = typer.Option(None, "--profile", "-p", metavar="PROFILE",
+                                          help="Check the profile's hardware against this machine and plan for its free memory."),
+    set_: Optional[List[str]] = SetOption,
+    snapshot: Optional[str] = typer.Option(None, "--snapshot", metavar="FILE", help="Run the checks on a saved snapshot."),
+    save_snapshot: Optional[str] = typer.Option(None, "--save-snapshot", metavar="FILE", help="Write the probed snapshot as JSON."),
+    expect_gpus: Optional[int] = typer.Option(None, "--expect-gpus", min=1, help="GPUs this node must have."),
+    active: bool = typer.Option(False, "--active", help="Also run a live all-reduce and `dcgmi diag -r 1` (takes minutes)."),
+    machine: Optional[bool] = typer.Option(None, "--machine/--no-machine",
+                                           help="Check the machine too (default: yes, unless only --log is given)."),
+    json_out: bool = JsonOption,
+) -> None:
+    """Diagnose the machine (driver, GPUs, ECC, PCIe, NVLink, NUMA, NCCL env) and a failed run's log.
+
+    Exit code 1 when any finding is FAIL, 2 for a missing or malformed input file.
+
+    Examples:
+
+        orbitctl doctor
+
+        orbitctl doctor --log train.log --profile profiles/tiny-cpu.yaml
+
+        journalctl -u train --no-pager | orbitctl doctor --log - --json
+
+        orbitctl doctor --snapshot node7.json --expect-gpus 8
+    """
+    from orbitctl.doctor import diagnose
+
+    report = diagnose(snapshot_path=snapshot, save_snapshot_path=save_snapshot, log=log, profile_path=profile,
+                      overrides=overrides(set_), expect_gpus=expect_gpus, active=active, machine=machine)
+    if json_out:
+        output.emit_json(report.to_dict())
+    else:
+        render(report)
+        if save_snapshot:
+            output.info(f"snapshot written to {save_snapshot}")
+    if report.exit_code:
+        raise typer.Exit(report.exit_code)
+
+
+def render(report) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    for note in report.notes:
+        output.show(Text(note, style="bold"))
+    if report.root_cause is not None:
+        rc = report.root_cause
+        where = f" on rank {rc.rank}" if rc.rank is not None else ""
+        output.show(Text(f"Root cause: {rc.id}{where}: {rc.title}", style=STYLE.get(rc.status, "")))
+    for area in AREAS:
+        rows = [f for f in report.findings if f.area == area]
+        if not rows:
+            continue
+        table = Table(title=area, title_justify="left", show_lines=True, expand=False)
+        table.add_column("status", no_wrap=True)
+        table.add_column("check", no_wrap=True)
+        table.add_column("evidence")
+        table.add_column("fix")
+        for f in rows:
+            evidence = Text(f.title + "\n", style="bold")
+            evidence.append("\n".join(f.evidence))
+            table.add_row(Text(f.status, style=STYLE.get(f.status, "")), f.id, evidence, Text(f.fix or ""))
+        output.show(table)
+    counts = report.counts()
+    summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+    output.show(Text(f"{'FAILED' if report.failed else 'OK'}: {summary}", style="bold red" if report.failed else "bold green"))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("doctor")(doctor)

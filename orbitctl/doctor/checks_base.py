@@ -1,0 +1,107 @@
+"""The check registry: each check is a function Snapshot -> (status, evidence, fix, data).
+
+A check module decorates its functions with ``@check(id, area, title)``; ``run_checks``
+runs them in registration order and wraps each result in a Finding with its stable id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from orbitctl.doctor.findings import FAIL, SKIP, UNKNOWN, Finding
+from orbitctl.doctor.snapshot import Gpu, Snapshot
+
+GiB = 1024**3
+MiB = 1024**2
+NO_GPU = "no NVIDIA driver/GPU found"
+
+
+@dataclass
+class CheckContext:
+    """What the checks know beyond the snapshot."""
+
+    expect_gpus: int | None = None
+    profile: Any = None
+    """A loaded orbitctl Profile (for --profile), or None."""
+    active: bool = False
+
+
+@dataclass
+class Outcome:
+    status: str
+    evidence: list[str]
+    fix: str | None = None
+    data: dict | None = None
+
+
+CheckFn = Callable[[Snapshot, CheckContext], Outcome]
+
+
+@dataclass
+class Check:
+    id: str
+    area: str
+    title: str
+    fn: CheckFn
+    when: str = "always"
+    """always | profile (needs --profile) | active (needs --active)."""
+
+
+REGISTRY: list[Check] = []
+
+
+def check(check_id: str, area: str, title: str, when: str = "always") -> Callable[[CheckFn], CheckFn]:
+    def register(fn: CheckFn) -> CheckFn:
+        REGISTRY.append(Check(check_id, area, title, fn, when))
+        return fn
+
+    return register
+
+
+def run_registered(snapshot: Snapshot, ctx: CheckContext) -> list[Finding]:
+    findings = []
+    for c in REGISTRY:
+        if c.when == "profile" and ctx.profile is None or c.when == "active" and not ctx.active:
+            continue
+        try:
+            out = c.fn(snapshot, ctx)
+        except Exception as exc:  # a check bug must not hide the other checks
+            out = Outcome(UNKNOWN, [f"check crashed: {type(exc).__name__}: {exc}"])
+        findings.append(Finding(id=c.id, area=c.area, status=out.status, title=c.title,
+                                evidence=out.evidence, fix=out.fix, data=out.data or {}))
+    return findings
+
+
+def no_gpu_outcome(s: Snapshot) -> Outcome | None:
+    """SKIP when no GPU is visible, UNKNOWN when NVML could not be asked; None when GPUs are there."""
+    nv = s.nvml
+    if nv.status == "ok" and nv.gpus:
+        return None
+    if nv.status in ("no_library", "no_driver") or (nv.status == "ok" and not nv.gpus):
+        return Outcome(SKIP, [f"{NO_GPU} (NVML: {nv.detail or nv.status})"])
+    return Outcome(UNKNOWN, [f"NVML could not be read: {nv.detail or nv.status}"],
+                   "Run as a user allowed to open /dev/nvidia* (or root), e.g. `sudo orbitctl doctor`")
+
+
+def field_unknown(gpus: list[Gpu], name: str, what: str) -> Outcome:
+    """SKIP when every GPU says 'not supported', else UNKNOWN naming why."""
+    reasons = {g.errors.get(name, "not reported") for g in gpus}
+    if reasons == {"not_supported"}:
+        return Outcome(SKIP, [f"{what}: not supported on these GPUs"])
+    return Outcome(UNKNOWN, [f"{what}: {', '.join(sorted(reasons))}"],
+                   "Run as root to read it" if "no_permission" in reasons else None)
+
+
+def gib(n: int | float | None) -> str:
+    return "?" if n is None else f"{n / GiB:.1f} GiB"
+
+
+def gpu_label(g: Gpu) -> str:
+    return f"GPU {g.index}" + (f" ({g.bus_id})" if g.bus_id else "")
+
+
+def fail_if(bad: list[str], good: str, status: str = FAIL, fix: str | None = None) -> Outcome:
+    from orbitctl.doctor.findings import PASS
+
+    return Outcome(status, bad, fix) if bad else Outcome(PASS, [good])

@@ -1,0 +1,83 @@
+"""What the doctor reports: one Finding per check or log signature, gathered in a Report.
+
+Statuses, from worst to best: FAIL (broken; exit 1), WARN (works, but slow or fragile),
+UNKNOWN (could not see: no permission, unreadable), INFO (a fact worth showing), PASS, SKIP
+(not applicable here, e.g. no GPU). A probe that could not run never yields PASS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PASS, WARN, FAIL, SKIP, UNKNOWN, INFO = "PASS", "WARN", "FAIL", "SKIP", "UNKNOWN", "INFO"
+STATUSES = (FAIL, WARN, UNKNOWN, INFO, PASS, SKIP)
+SEVERITY = {s: i for i, s in enumerate(reversed(STATUSES))}  # higher is worse
+
+AREAS = ("GPU", "topology", "NCCL", "memory", "host", "log")
+
+
+@dataclass
+class Finding:
+    """One verdict: a stable id, a status, the evidence it rests on and the exact fix."""
+
+    id: str
+    area: str
+    status: str
+    title: str
+    evidence: list[str] = field(default_factory=list)
+    fix: str | None = None
+    rank: int | None = None
+    """Distributed rank the finding is attributed to (log findings), when known."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """Parsed numbers behind the verdict (e.g. OOM sizes, watchdog SeqNum) for --json readers."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def worst(statuses: list[str]) -> str:
+    """The most severe status in a list (PASS when empty)."""
+    return max(statuses, key=lambda s: SEVERITY[s], default=PASS)
+
+
+@dataclass
+class Report:
+    """Everything one `orbitctl doctor` run found."""
+
+    findings: list[Finding] = field(default_factory=list)
+    root_cause: Finding | None = None
+    """The log finding ranked first: the failure the others follow from."""
+    notes: list[str] = field(default_factory=list)
+    """One-line headlines for the person at the terminal (e.g. no NVIDIA driver found)."""
+    snapshot_source: str | None = None
+    log_source: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return any(f.status == FAIL for f in self.findings)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failed else 0
+
+    def by_id(self, check_id: str) -> Finding | None:
+        return next((f for f in self.findings if f.id == check_id), None)
+
+    def ids_with(self, status: str) -> set[str]:
+        return {f.id for f in self.findings if f.status == status}
+
+    def counts(self) -> dict[str, int]:
+        return {s: sum(1 for f in self.findings if f.status == s) for s in STATUSES}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": not self.failed,
+            "exit_code": self.exit_code,
+            "counts": self.counts(),
+            "notes": list(self.notes),
+            "snapshot": self.snapshot_source,
+            "log": self.log_source,
+            "root_cause": self.root_cause.to_dict() if self.root_cause else None,
+            "findings": [f.to_dict() for f in self.findings],
+        }

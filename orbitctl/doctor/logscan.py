@@ -1,0 +1,170 @@
+"""Turn raw log text into signature events: line splitting, unwrapping, rank attribution.
+
+Bounded work on hostile input: a line longer than MAX_LINE is examined in overlapping
+windows, at most MAX_WINDOWS of them; every regex in the table is linear.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+from orbitctl.doctor.signatures import SIGNATURES, Signature
+
+MAX_LINE = 4096
+OVERLAP = 512
+MAX_WINDOWS = 64
+MAX_LINES = 2_000_000
+
+_RANK_RES = (
+    re.compile(r"\[rank(\d{1,5})\]"),
+    re.compile(r"\[default(\d{1,5})\]:"),
+    re.compile(r"^\s*\[\d+,(\d{1,5})\]<std(?:out|err)>"),
+    re.compile(r"\[(?:PG[^\]]{0,80}?)?Rank (\d{1,5})\]"),
+    re.compile(r"^\s*[Rr]ank ?(\d{1,5})\s?:"),
+    re.compile(r"--local_rank=(\d{1,5})"),
+)
+_NCCL_PID = re.compile(r"(?:^|\s)[\w.-]+:(\d+):\d+ \[\d+\] NCCL")
+_NCCL_RANK_OF_PID = re.compile(r"(?:^|\s)[\w.-]+:(\d+):\d+ \[\d+\] NCCL INFO .{0,120}?\brank (\d+) nranks")
+_ELASTIC_RANK = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank")
+_LINE_START = re.compile(
+    r"^\s*(?:\[\d+\]\s*)?(?:\[rank\d+\]|\[default\d+\]|\[\d+,\d+\]<|\[?\d{4}-\d\d-\d\d|[EWIF]\d{4} |\[[EWIF]\d{0,4} |"
+    r"Traceback|File \"|[\w.-]+:\d+:\d+ \[\d+\]|\w+:\d+:\d+|\(\w+ pid=)")
+_LAST_ERROR = re.compile(r"Last error:\s*(.*)$")
+_EXC_LINE = re.compile(r"^(?:[\w.]+\.)?(?P<cls>\w*(?:Error|Exception))(?::\s?(?P<msg>.*))?$")
+
+
+@dataclass
+class Event:
+    sig: Signature
+    line_no: int
+    rank: int | None
+    text: str
+    groups: dict = field(default_factory=dict)
+    window: str = ""
+    detail: str | None = None
+
+
+@dataclass
+class Scan:
+    events: list[Event] = field(default_factory=list)
+    first_exception: tuple[int, str] | None = None
+    lines: int = 0
+    truncated_chars: int = 0
+
+
+def split_lines(text: str) -> list[str]:
+    """Lines, also splitting on carriage returns (progress bars) and on literal '\\n' in huge escaped lines."""
+    lines: list[str] = []
+    for raw in text.split("\n"):
+        for part in raw.split("\r"):
+            if len(part) > MAX_LINE and "\\n" in part:
+                lines.extend(part.split("\\n"))
+            else:
+                lines.append(part)
+        if len(lines) > MAX_LINES:
+            break
+    return lines[:MAX_LINES]
+
+
+def unwrap(lines: list[str]) -> list[str]:
+    """Re-join a hard-wrapped paste: many lines of one exact width are pieces of longer lines."""
+    widths = Counter(len(ln) for ln in lines if 60 <= len(ln) <= 400)
+    if not widths:
+        return lines
+    width, count = widths.most_common(1)[0]
+    long_lines = sum(widths.values())
+    if count < 3 or count < 0.3 * long_lines:
+        return lines
+    out: list[str] = []
+    joining = False
+    for ln in lines:
+        if joining and not _LINE_START.match(ln):
+            out[-1] += ln
+        else:
+            out.append(ln)
+        joining = len(ln) == width and len(out[-1]) < 64 * MAX_LINE
+    return out
+
+
+def _windows(line: str) -> list[str]:
+    if len(line) <= MAX_LINE:
+        return [line]
+    step = MAX_LINE - OVERLAP
+    return [line[i:i + MAX_LINE] for i in range(0, min(len(line), step * MAX_WINDOWS), step)]
+
+
+def line_rank(line: str, pid_rank: dict[str, int]) -> int | None:
+    head = line[:400]
+    for rx in _RANK_RES:
+        m = rx.search(head)
+        if m:
+            return int(m.group(1))
+    m = _NCCL_PID.search(head)
+    if m and m.group(1) in pid_rank:
+        return pid_rank[m.group(1)]
+    return None
+
+
+def match_line(chunk: str) -> list[tuple[Signature, re.Match]]:
+    low = chunk.lower()
+    hits = []
+    for sig in SIGNATURES:
+        if any(n in low for n in sig.needles):
+            m = sig.pattern.search(chunk)
+            if m:
+                hits.append((sig, m))
+    dropped = {x for sig, _ in hits for x in sig.supersedes}
+    return [(s, m) for s, m in hits if s.id not in dropped]
+
+
+def scan_lines(lines: list[str]) -> Scan:
+    scan = Scan(lines=len(lines))
+    pid_rank: dict[str, int] = {}
+    seen_traceback = False
+    pending_last_error: Event | None = None
+    last_error_event: Event | None = None
+    elastic_rank: tuple[int, int] | None = None  # (line, rank) from a torchrun error summary
+    for no, line in enumerate(lines, start=1):
+        if len(line) > MAX_LINE * MAX_WINDOWS:
+            scan.truncated_chars += len(line) - MAX_LINE * MAX_WINDOWS
+        stripped = line.strip()
+        if m := _NCCL_RANK_OF_PID.search(line[:400]):
+            pid_rank[m.group(1)] = int(m.group(2))
+        if m := _ELASTIC_RANK.match(line[:200]):
+            elastic_rank = (no, int(m.group(1)))
+        if pending_last_error is not None and stripped:
+            pending_last_error.detail = stripped[:300]
+            pending_last_error = None
+        if "Last error:" in line and last_error_event is not None and no - last_error_event.line_no <= 12:
+            rest = _LAST_ERROR.search(line[:MAX_LINE])
+            if rest and rest.group(1).strip():
+                last_error_event.detail = rest.group(1).strip()[:300]
+            else:
+                pending_last_error = last_error_event
+        if "Traceback (most recent call last)" in line:
+            seen_traceback = True
+        elif seen_traceback and scan.first_exception is None and len(stripped) < 2000:
+            body = re.sub(r"^(?:\[\w+\]:)+\s*", "", stripped)
+            if (m := _EXC_LINE.match(body)) and m.group("cls"):
+                scan.first_exception = (no, body[:300])
+        rank = None
+        rank_done = False
+        seen_here: set[str] = set()
+        for chunk in _windows(line):
+            for sig, m in match_line(chunk):
+                if sig.id in seen_here:  # overlapping windows of one long line
+                    continue
+                seen_here.add(sig.id)
+                if not rank_done:
+                    rank, rank_done = line_rank(line, pid_rank), True
+                    if rank is None and elastic_rank and no - elastic_rank[0] <= 3:
+                        rank = elastic_rank[1]
+                ev = Event(sig, no, rank, stripped[:300], {k: v for k, v in m.groupdict().items() if v is not None})
+                if sig.id == "oom":
+                    ev.window = " ".join(x.strip() for x in lines[no - 1:no + 5])[:8 * MAX_LINE]
+                if sig.id.startswith("nccl.") and sig.id in ("nccl.err", "nccl.sys", "nccl.cuda", "nccl.int", "nccl.remote"):
+                    last_error_event = ev
+                scan.events.append(ev)
+    return scan

@@ -1,0 +1,195 @@
+"""The log signature table: id, regex, cause, fix, how bad, and how likely a root cause.
+
+``priority`` ranks root causes above their consequences: hardware and start-up faults
+(Xid, ECC, fabric, driver, arch) > memory > CUDA faults > NCCL transport errors > generic
+NCCL errors > peers exiting > watchdog timeouts > communicator aborts. ``needles`` are
+lowercase substrings one of which must be in a line before its regex runs (fast, and no
+regex ever sees a line that cannot match). Every regex is linear: no nested quantifiers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from orbitctl.doctor.findings import FAIL, INFO, WARN
+
+SIZE = r"[\d.]+ ?(?:[KMGTP]i?B|bytes|B)"
+
+FAQ_OOM = ("Out of GPU memory: lower memory.micro_batch_size (raise memory.gradient_accumulation_steps to keep the "
+           "global batch), keep memory.gradient_checkpointing: true, offload (memory.offload_optimizer: cpu, "
+           "memory.offload_activations: cpu), shard with memory.zero_stage: 3, chunk the loss (memory.loss_chunk_size: 1024), "
+           "and export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; re-plan with `orbitctl plan PROFILE`")
+FAQ_COMM = ("Communication: rerun with export NCCL_DEBUG=INFO TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1 "
+            "to get a flight-recorder dump (analyse with `torchfrtrace <dir>`), `py-spy dump -n -p <pid>` on each rank, "
+            "then run `orbitctl doctor --active` on the node")
+FAQ_INSTABILITY = ("Training instability: keep bf16 (not fp16), warm up the learning rate (rl.warmup_steps: 1000), lower rl.lr, "
+                   "clip gradients (rl.grad_clip: 1.0), keep the train/infer KL (rl.align_loss.weight: 0.1) and truncated IS "
+                   "(rl.is_correction.kind: tis), and check `orbitctl verify-alignment PROFILE`")
+
+
+@dataclass(frozen=True)
+class Signature:
+    id: str
+    pattern: re.Pattern
+    needles: tuple[str, ...]
+    cause: str
+    fix: str
+    severity: str = FAIL
+    priority: int = 50
+    supersedes: tuple[str, ...] = ()
+    """Ids of generic signatures this one replaces when both match the same line."""
+
+
+def _sig(sid: str, regex: str, needles: tuple[str, ...], cause: str, fix: str, severity: str = FAIL,
+         priority: int = 50, supersedes: tuple[str, ...] = (), flags: int = 0) -> Signature:
+    return Signature(sid, re.compile(regex, flags), needles, cause, fix, severity, priority, supersedes)
+
+
+SIGNATURES: list[Signature] = [
+    # hardware and platform
+    _sig("xid", r"NVRM: Xid \((?P<dev>[^)]{1,40})\): (?P<xid>\d{1,4})\b|GPU has fallen off the bus|fallen off the bus",
+         ("xid", "fallen off"), "NVIDIA driver fault (Xid)", "See the Xid's own fix", priority=100),
+    _sig("cuda.ecc", r"uncorrectable ECC error encountered|cudaErrorECCUncorrectable", ("ecc",),
+         "double-bit (uncorrectable) ECC error", "Drain the node, reset the GPU (sudo nvidia-smi -r -i <gpu>); RMA if it repeats",
+         priority=97),
+    _sig("cuda.802", r"system not yet initialized|cudaErrorSystemNotReady|CUDA_ERROR_SYSTEM_NOT_READY",
+         ("not yet initialized", "systemnotready", "system_not_ready"), "NVSwitch fabric manager not running (CUDA error 802)",
+         "sudo systemctl enable --now nvidia-fabricmanager (same version as the driver); wait for `nvidia-smi -q | grep -A2 Fabric` "
+         "to say Completed", priority=95),
+    _sig("cuda.drv", r"driver on your system is too old \(found version (?P<found>\d+)\)|CUDA driver version is insufficient "
+         r"for CUDA runtime version|cudaErrorInsufficientDriver|forward compatibility was attempted on non supported HW",
+         ("too old", "insufficient", "forward compatibility"), "NVIDIA driver older than the CUDA version torch was built for",
+         "Upgrade the driver (nvidia-smi shows the CUDA version it supports), or install a torch wheel for that CUDA: "
+         "pip install torch --index-url https://download.pytorch.org/whl/cu121", priority=92),
+    _sig("cuda.arch", r"no kernel image is available|is not compatible with the current PyTorch installation|"
+         r"cudaErrorNoKernelImageForDevice", ("no kernel image", "not compatible with the current pytorch", "nokernelimage"),
+         "the torch (or extension) build has no kernels for this GPU's architecture",
+         "Install a wheel built for this GPU's sm_XX (`python -c 'import torch; print(torch.cuda.get_arch_list())'`), "
+         "e.g. pip install torch --index-url https://download.pytorch.org/whl/cu128; rebuild custom extensions with "
+         "TORCH_CUDA_ARCH_LIST set", priority=90),
+    _sig("bnb", r"CUDA Setup failed despite (?:GPU|CUDA) being available|Could not find the bitsandbytes CUDA binary|"
+         r"bitsandbytes was compiled without GPU support|libbitsandbytes_cpu\.so: undefined symbol|"
+         r"Required library version not found: libbitsandbytes|CUDA SETUP: CUDA detection failed|"
+         r"Could not load bitsandbytes native library",
+         ("cuda setup", "bitsandbytes", "libbitsandbytes"), "bitsandbytes cannot find a CUDA build matching this torch/CUDA",
+         "pip install -U bitsandbytes; then `python -m bitsandbytes`; unset BNB_CUDA_VERSION unless you mean it; make "
+         "sure LD_LIBRARY_PATH holds the libcudart that torch uses", priority=88),
+    _sig("nccl.ver", r"Mismatched NCCL version detected : rank (?P<r1>\d+) version (?P<v1>\d+) rank (?P<r2>\d+) version (?P<v2>\d+)|"
+         r"Mismatched NCCL version detected", ("mismatched nccl",), "ranks load different NCCL libraries",
+         "Run every rank from one environment (same image/venv); unset LD_LIBRARY_PATH/LD_PRELOAD entries pointing at another "
+         "libnccl", priority=85),
+    # memory
+    _sig("oom", r"(?:CUDA|HIP) out of memory|OutOfMemoryError", ("out of memory", "outofmemoryerror"),
+         "GPU out of memory (allocator)", FAQ_OOM, priority=80),
+    _sig("oom.raw", r"CUBLAS_STATUS_ALLOC_FAILED|CUDA error: out of memory|Cuda failure (?:2 )?'out of memory'|"
+         r"cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY|Failed to CUDA calloc",
+         ("alloc_failed", "out of memory", "memoryallocation", "out_of_memory", "cuda calloc"),
+         "GPU out of memory outside the PyTorch allocator (cuBLAS, NCCL or a kernel)",
+         "Leave headroom: memory.max_hbm_utilization: 0.85; " + FAQ_OOM, priority=79, supersedes=("oom", "nccl.cudaf")),
+    _sig("host.oom", r"exits with return code = -9|exitcode\s*:\s*-9\b|Killed process \d+|Out of memory: Kill|"
+         r"Signal 9 \(SIGKILL\) received by PID|terminated with signal SIGKILL|oom-kill:|^\s*Killed\s*$",
+         ("-9", "killed process", "out of memory: kill", "sigkill", "oom-kill", "killed"),
+         "host RAM exhausted: the kernel's OOM killer sent SIGKILL (exit code -9)",
+         "Check `dmesg | grep -i 'killed process'`; reduce host memory: memory.offload_optimizer/offload_params: none or a "
+         "smaller model shard per process, fewer dataloader workers, load checkpoints with low_cpu_mem_usage; or add RAM/swap",
+         priority=78, flags=re.M),
+    _sig("train.nan", r"Current loss scale already at minimum|loss(?: is|=|:)\s*nan\b|non-finite loss|Detected NaN|"
+         r"nan or inf (?:found|detected)", ("loss scale already at minimum", "nan"),
+         "training diverged (NaN/inf loss)", FAQ_INSTABILITY, priority=65, flags=re.I),
+    _sig("ds.flush", r"(?P<n>\d+) pytorch allocator cache flushes since last step", ("cache flushes",),
+         "near-OOM: DeepSpeed ZeRO-3 had to flush the allocator cache",
+         "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; lower memory.micro_batch_size or memory.prefetch_layers",
+         severity=WARN, priority=40),
+    # CUDA faults
+    _sig("cuda.assert", r"device-side assert triggered|cudaErrorAssert|block: \[\d+,\d+,\d+\], thread: \[\d+,\d+,\d+\] Assertion",
+         ("device-side assert", "cudaerrorassert", "assertion"), "a device-side assert: an index or label out of range",
+         "Rerun with CUDA_LAUNCH_BLOCKING=1 (or on CPU) to see the failing op; check token ids < vocab size and label ranges",
+         priority=76, supersedes=("nccl.cudaf",)),
+    _sig("cuda.ima", r"an illegal memory access was encountered|cudaErrorIllegalAddress",
+         ("illegal memory access", "illegaladdress"), "illegal memory access in a CUDA kernel (software bug or hardware fault)",
+         "Rerun with CUDA_LAUNCH_BLOCKING=1 and `compute-sanitizer`; check the kernel log for Xid 13/31/48/79 "
+         "(`dmesg | grep -i xid`) to rule out hardware", priority=75, supersedes=("nccl.cudaf",)),
+    _sig("cuda.launch", r"unspecified launch failure|cudaErrorLaunchFailure", ("unspecified launch failure", "launchfailure"),
+         "a CUDA kernel crashed (unspecified launch failure)",
+         "Check the kernel log for Xid 13/31/43/79 (`dmesg | grep -i xid`); rerun with CUDA_LAUNCH_BLOCKING=1",
+         priority=64, supersedes=("nccl.cudaf",)),
+    # NCCL transport and setup
+    _sig("nccl.shm", r"(?:creating|attaching to) shared memory segment|failed to extend /dev/shm|posix_fallocate failed|"
+         r"shm_open failed|ncclShmOpen|insufficient shared memory \(shm\)",
+         ("shared memory segment", "/dev/shm", "posix_fallocate", "shm_open", "shmopen", "shared memory (shm)"),
+         "/dev/shm too small or full", "docker run --shm-size=16g ... (Kubernetes: emptyDir medium: Memory on /dev/shm); "
+         "rm -f /dev/shm/nccl-*; or export NCCL_SHM_DISABLE=1", priority=72, supersedes=("nccl.cudaf",)),
+    _sig("nccl.if", r"no socket interface found|No usable listening interface|Bootstrap : no \S+ interface found|"
+         r"NCCL_SOCKET_IFNAME\S* \S* ?not found|is neither AF_INET", ("interface", "af_inet"),
+         "NCCL found no usable network interface (NCCL_SOCKET_IFNAME wrong)",
+         "List interfaces with `ip -br addr`; export NCCL_SOCKET_IFNAME=<iface> (one node: export NCCL_SOCKET_IFNAME=lo)",
+         priority=72),
+    _sig("nccl.p2p", r"peer access is not supported between these two devices", ("peer access",),
+         "GPU peer-to-peer blocked (ACS/IOMMU, consumer GPUs, or each rank sees one GPU)",
+         "export NCCL_P2P_DISABLE=1 (or disable ACS / boot with iommu=pt); if it comes from transport/shm.cc: "
+         "export NCCL_SHM_DISABLE=1 or NCCL_CUMEM_ENABLE=0", priority=71, supersedes=("nccl.cudaf",)),
+    _sig("port", r"failed to (?:listen on|bind to) \S{1,80} \(errno: 98|EADDRINUSE|[Aa]ddress already in use",
+         ("errno: 98", "eaddrinuse", "address already in use"), "MASTER_PORT already in use (a stale job still listens)",
+         "ss -ltnp 'sport = :29500' and kill the stale job; or pick another port: torchrun --master_port 29501 "
+         "(export MASTER_PORT=29501)", priority=70),
+    _sig("nccl.ib", r"NET/IB\w* ?: ?Got completion|NCCL WARN NET/IB\w* ?: (?P<detail>.{1,200})|Call to ibv_\w+ failed",
+         ("net/ib", "ibv_"), "InfiniBand/RoCE transport error",
+         "Check the fabric: `ibstat`, `ibv_devinfo`, cables and switch ports; on one node: export NCCL_IB_DISABLE=1", priority=68),
+    _sig("dist.store", r"Timed out after \d+ seconds waiting for clients|Timed out initializing process group in store based "
+         r"barrier|wait timeout after \d+ms, keys|DistStoreError|Socket Timeout|The client socket has timed out",
+         ("timed out", "wait timeout", "diststoreerror", "socket timeout"),
+         "rendezvous timed out: not every rank reached init_process_group",
+         "Check MASTER_ADDR/MASTER_PORT are reachable from every node and that all ranks started; see the first error of the "
+         "rank that did not join", priority=55),
+    _sig("nccl.cudaf", r"NCCL WARN Cuda failure (?:\d+ )?'(?P<err>[^']{1,200})'", ("cuda failure",),
+         "a CUDA call inside NCCL failed", "Read the CUDA error named in the line; check `dmesg | grep -i xid`", priority=60),
+    _sig("nccl.sys", r"unhandled system error|ncclSystemError", ("system error", "ncclsystemerror"),
+         "NCCL system error (socket, shared memory or a peer that exited)",
+         "Read the `Last error:` line; " + FAQ_COMM, priority=48, supersedes=("nccl.err",)),
+    _sig("nccl.cuda", r"unhandled cuda error|ncclUnhandledCudaError", ("unhandled cuda error", "ncclunhandledcudaerror"),
+         "a CUDA failure inside NCCL", "Read the `Last error:` / `Cuda failure` line; check `dmesg | grep -i xid`",
+         priority=48, supersedes=("nccl.err",)),
+    _sig("nccl.int", r"ncclInternalError|internal error - please report", ("internalerror", "internal error - please report"),
+         "NCCL internal error (often bootstrap or interface selection)",
+         "export NCCL_SOCKET_IFNAME=<iface> (one node: lo); rerun with NCCL_DEBUG=INFO", priority=47, supersedes=("nccl.err",)),
+    _sig("nccl.err", r"NCCL error(?: in: (?P<file>\S+),|:) (?P<err>[^,\n]{1,200})(?:, NCCL version (?P<ver>\S+))?",
+         ("nccl error",), "an NCCL call failed", "Read the lines after it (`Last error:`); " + FAQ_COMM, priority=45),
+    _sig("nccl.sock", r"socketStartConnect: Connect to \S+ failed|Connection closed by remote peer|Connection reset by peer|"
+         r"socketProgress(?:Opt)?: Call to recv", ("connect to", "connection closed", "connection reset", "socketprogress"),
+         "a socket to a peer rank broke (the peer died or the network dropped)",
+         "Find the first error of the peer rank; check the network and NCCL_SOCKET_IFNAME", priority=35),
+    _sig("nccl.remote", r"ncclRemoteError|remote process exited", ("ncclremoteerror", "remote process exited"),
+         "a peer rank exited or its network failed", "Find the first error of the rank that exited (it is the cause)",
+         priority=32, supersedes=("nccl.err",)),
+    _sig("nccl.stuck", r"watchdog got stuck for (?P<s>\d+) seconds|Heartbeat monitor timed out",
+         ("got stuck", "heartbeat monitor timed out"), "the NCCL watchdog itself hung (a CUDA/NCCL API call blocked)",
+         "Check the kernel log for Xid; py-spy dump -n -p <pid>; raise TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC only if it is a "
+         "false alarm", priority=18),
+    _sig("nccl.timeout", r"Watchdog caught collective operation timeout: WorkNCCL\((?P<a>.{0,400}?)\) ran for (?P<ms>\d+) "
+         r"milliseconds", ("watchdog caught",),
+         "a collective timed out: one rank did not join it (crashed, hung, or desynchronised)", FAQ_COMM, priority=20),
+    _sig("nccl.pg", r"last enqueued (?:NCCL )?work: (?P<enq>-?\d+), last completed (?:NCCL )?work: (?P<done>-?\d+)",
+         ("last enqueued",), "per-rank progress of the process group", "The rank with the lowest completed work is the straggler",
+         severity=WARN, priority=19),
+    _sig("nccl.abort", r"NCCL communicator was aborted on rank (?P<r>\d+)|communicator was aborted",
+         ("communicator was aborted",), "communicator aborted after an earlier failure", "Find the first failure", priority=10),
+    _sig("nccl.depr", r"NCCL_ASYNC_ERROR_HANDLING is deprecated", ("nccl_async_error_handling is deprecated",),
+         "deprecated variable name (harmless)", "unset NCCL_ASYNC_ERROR_HANDLING; export TORCH_NCCL_ASYNC_ERROR_HANDLING=3",
+         severity=INFO, priority=0),
+]
+
+# Sub-rows of the OOM message, read by orbitctl.doctor.oom from the text around an `oom` match.
+OOM_PARTS = {
+    "oom.req": re.compile(rf"Tried to allocate (?P<req>{SIZE})"),
+    "oom.cap": re.compile(rf"GPU (?P<g>\d+) has a total capac?i?ty of (?P<tot>{SIZE}) of which (?P<free>{SIZE}) is free"),
+    "oom.frag": re.compile(rf"and (?P<un>{SIZE}) is reserved by PyTorch but unallocated"),
+    "oom.alloc": re.compile(rf"Of the allocated memory (?P<a>{SIZE}) is allocated by PyTorch"),
+    "oom.pool": re.compile(rf"with (?P<p>{SIZE}) allocated in private pools"),
+    "oom.self": re.compile(rf"this process has (?P<m>{SIZE}) memory in use"),
+    "oom.peer": re.compile(rf"Process (?P<pid>\d+) has (?P<m>{SIZE}) memory in use"),
+    "oom.old": re.compile(rf"\(GPU (?P<g>\d+); (?P<tot>{SIZE}) total capacity; (?P<alloc>{SIZE}) already allocated; "
+                          rf"(?P<free>{SIZE}) free;(?: (?P<res>{SIZE}) (?:reserved in total by PyTorch|cached))?"),
+}
+
+BY_ID = {s.id: s for s in SIGNATURES}
