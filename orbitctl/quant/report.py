@@ -97,7 +97,20 @@ def build_report(*, source: str, spec: dict, quantized: list[dict], kept: list[d
         "summary": summarize(quantized, kept),
         "tensors": [{k: v for k, v in t.items() if k not in ("err_sq", "ref_sq")} for t in quantized],
         "kept": [{"name": t["name"], "kind": t["kind"], "reason": t["reason"], "dtype": t["dtype"]} for t in kept],
+        "notes": notes(kept),
     }
+
+
+ROUTINE_REASONS = ("not a linear weight", "stays bf16", "quant.skip", "quant.modules", "format none", "copied as is")
+
+
+def notes(kept: list[dict]) -> list[str]:
+    """Linear weights kept in bf16 for a reason the user did not ask for, counted once per reason."""
+    counts: dict[str, int] = {}
+    for t in kept:
+        if not any(r in t["reason"] for r in ROUTINE_REASONS):
+            counts[t["reason"]] = counts.get(t["reason"], 0) + 1
+    return [f"{n} weight(s) kept bf16: {reason}" for reason, n in sorted(counts.items())]
 
 
 def compare_next_token(src: str, out: str, num_prompts: int, *, seq_len: int = 16, seed: int = 0) -> dict:
@@ -107,10 +120,12 @@ def compare_next_token(src: str, out: str, num_prompts: int, *, seq_len: int = 1
     original model to fit in host memory (it is loaded whole, in bf16).
     """
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from orbitctl.align.metrics import js_divergence, logsoftmax_l1, topk_agreement
     from orbitctl.model.base import load_frozen_base
 
+    hf_logging.disable_progress_bar()  # stderr belongs to orbitctl's own progress bar
     original = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, device_map="cpu").eval()
     quantized = load_frozen_base(out).eval()
     vocab = original.config.vocab_size

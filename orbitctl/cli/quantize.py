@@ -1,0 +1,136 @@
+"""`orbitctl quantize`: turn a Hugging Face checkpoint into the frozen quantized base, streaming.
+
+    orbitctl quantize profiles/tiny-cpu.yaml
+    orbitctl quantize hf/llama-8b out/llama-8b-nf4 --format nf4 --eval-prompts 8
+    orbitctl quantize --verify out/llama-8b-nf4
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from orbitctl.cli import output
+from orbitctl.cli.common import JsonOption, SetOption, overrides
+from orbitctl.errors import UserError
+
+
+def quantize(
+    target: Optional[str] = typer.Argument(None, metavar="PROFILE | SRC", help="A profile YAML, or a checkpoint directory (then OUT and --format)."),
+    out: Optional[str] = typer.Argument(None, metavar="[OUT]", help="Output directory (with SRC)."),
+    fmt: Optional[str] = typer.Option(None, "--format", "-f", help="nf4, fp4, int4, fp8 or none (with SRC; a profile says quant.format)."),
+    group_size: int = typer.Option(64, "--group-size", help="bnb block size (nf4/fp4) or INT4 group (32/64/128)."),
+    double_quant: bool = typer.Option(True, "--double-quant/--no-double-quant", help="nf4/fp4: quantize the absmax scales again."),
+    storage_dtype: str = typer.Option("bf16", "--storage-dtype", help="nf4/fp4 packed storage dtype: bf16 (ZeRO-3 shardable) or uint8."),
+    modules: str = typer.Option("all-linear", "--modules", help="all-linear, or experts (routed experts only)."),
+    skip: Optional[List[str]] = typer.Option(None, "--skip", help="Module-name substring kept in bf16 (repeatable; default lm_head)."),
+    max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest output shard, e.g. 2GB, 500MB."),
+    eval_prompts: int = typer.Option(0, "--eval-prompts", min=0, help="Compare next-token distributions on N prompts (model must fit in RAM)."),
+    verify: Optional[str] = typer.Option(None, "--verify", metavar="OUT", help="Re-hash a finished output against its manifest and exit."),
+    set_: Optional[List[str]] = SetOption,
+    json_out: bool = JsonOption,
+) -> None:
+    """Quantize a checkpoint tensor by tensor (nf4, fp4, int4, fp8), with a quality report; resumable.
+
+    Examples:
+
+        orbitctl quantize profiles/tiny-cpu.yaml
+
+        orbitctl quantize hf/llama-8b out/llama-8b-nf4 --format nf4 --eval-prompts 8
+
+        orbitctl quantize hf/qwen3-30b-a3b out/qwen3-int4 --format int4 --group-size 32 --modules experts --json
+
+        orbitctl quantize --verify out/llama-8b-nf4
+    """
+    from orbitctl.quant.api import quantize_profile, run_quantize, verify_output
+
+    if verify:
+        result = verify_output(verify)
+        if json_out:
+            output.emit_json(result)
+        else:
+            output.info(f"[green]ok[/green]  {len(result['files'])} files match {verify}/quant_manifest.json")
+        return
+    if target is None:
+        raise UserError("nothing to quantize", fix="pass a profile, or SRC OUT --format FMT, or --verify OUT (see orbitctl quantize --help)")
+    with _progress_bar(enabled=not json_out) as progress:
+        if out is None:
+            result = quantize_profile(target, overrides(set_), progress=progress, eval_prompts=eval_prompts)
+        else:
+            if fmt is None:
+                raise UserError("--format is required with SRC OUT", fix="add --format nf4 (or fp4, int4, fp8)")
+            result = run_quantize(target, out, fmt=fmt, group_size=group_size, double_quant=double_quant,
+                                  storage_dtype=storage_dtype, modules=modules, skip=tuple(skip) if skip else ("lm_head",),
+                                  max_shard_size=max_shard_size, progress=progress, eval_prompts=eval_prompts)
+    if json_out:
+        output.emit_json(result.to_dict())
+    else:
+        _render(result)
+
+
+class _progress_bar:
+    """A rich bar by bytes on stderr (throughput, ETA); a no-op with --json."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar = None
+        self.task = None
+
+    def __enter__(self):
+        if not self.enabled:
+            return None
+        from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+        self.bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                            TransferSpeedColumn(), TimeRemainingColumn(), console=output.stderr, transient=False)
+        self.bar.__enter__()
+        self.task = self.bar.add_task("quantizing", total=None)
+        return self.update
+
+    def update(self, done: int, total: int) -> None:
+        self.bar.update(self.task, completed=done, total=total)
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+
+def _render(result) -> None:
+    from rich.table import Table
+
+    report = result.report
+    table = Table(title=f"{result.output}  ({_fmt_name(result.format)})", title_justify="left")
+    for col in ("kind", "tensors", "params", "rel err", "SQNR dB", "max abs", "bits/w"):
+        table.add_column(col, justify="left" if col == "kind" else "right", no_wrap=True)
+    for kind, row in report.get("summary", {}).get("quantized", {}).items():
+        table.add_row(kind, str(row["tensors"]), f"{row['params']:,}", f"{row['rel_fro_error']:.4f}",
+                      "exact" if row["sqnr_db"] is None else f"{row['sqnr_db']:.1f}", f"{row['max_abs_error']:.4g}",
+                      f"{row['bits_per_weight']:.3f}")
+    for kind, row in report.get("summary", {}).get("kept", {}).items():
+        table.add_row(f"[dim]{kind} kept[/dim]", str(row["tensors"]), f"{row['params']:,}", "-", "-", "-",
+                      f"{8.0 * row['bytes_out'] / row['params']:.1f}" if row["params"] else "-")
+    output.show(table)
+    bpw = report.get("bits_per_weight_quantized")
+    lines = [f"bytes in {result.bytes_in:,}  out {result.bytes_out:,}  "
+             f"bits/weight (quantized) {bpw:.3f}" if bpw else f"bytes in {result.bytes_in:,}  out {result.bytes_out:,}"]
+    if report.get("passthrough"):
+        lines.append("source already in this format: copied as is, not re-quantized")
+    if "eval" in report:
+        ev = report["eval"]
+        lines.append(f"next-token, {ev['prompts']} prompts / {ev['positions']} positions: JS mean {ev['js_mean']:.4g} max {ev['js_max']:.4g}, "
+                     f"top-1 agreement {ev['top1_agreement']:.3f}, log-softmax L1 {ev['logsoftmax_l1_mean']:.4g}")
+    resumed = f", {result.resumed_shards} resumed" if result.resumed_shards else ""
+    lines.append(f"{result.shards} shard(s){resumed}, {result.seconds:.1f} s; report {result.report_path}")
+    for line in lines:
+        output.show(line)
+    for note in report.get("notes", []):
+        output.warn(note)
+
+
+def _fmt_name(spec: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in spec.items())
+
+
+def register(app: typer.Typer) -> None:
+    app.command("quantize")(quantize)
