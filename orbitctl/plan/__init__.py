@@ -1,0 +1,102 @@
+"""`orbitctl plan`: does a profile fit in HBM and host RAM, and what to change if not.
+
+    from orbitctl.plan import plan_profile
+    plan = plan_profile(load_profile("profiles/kimi-k2_grpo_int4_8xb200.yaml"))
+    plan.fits, plan.peak_bytes, plan.max_micro_batch, plan.advice
+
+Imports no torch: every number comes from the ArchSpec and the formulas in docs/plan.md.
+``measure_profile`` (the FakeTensorMode calibration) imports torch lazily.
+"""
+
+from __future__ import annotations
+
+import itertools
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from orbitctl.errors import ProfileError, UserError
+from orbitctl.plan.advice import advise, max_micro_batch
+from orbitctl.plan.budget import evaluate, prepare
+from orbitctl.plan.result import COMPONENTS, PHASES, Advice, MemoryPlan
+
+__all__ = ["plan_profile", "plan_sweep", "apply_changes", "measure_profile", "MemoryPlan", "Advice",
+           "COMPONENTS", "PHASES"]
+
+
+@lru_cache(maxsize=32)
+def _builtin(name: str):
+    from orbitctl.arch import builtin_arch
+
+    return builtin_arch(name)
+
+
+@lru_cache(maxsize=32)
+def _from_file(path: str, mtime: float):
+    from orbitctl.arch import arch_from_config, load_config_file
+
+    return arch_from_config(load_config_file(path), name=Path(path).parent.name or "custom", source=path)
+
+
+def _arch(profile):
+    if profile.model.arch:
+        return _builtin(profile.model.arch)
+    path = Path(profile.model.config)
+    return _from_file(str(path), path.stat().st_mtime if path.exists() else 0.0)
+
+
+def apply_changes(profile, change: dict[str, Any]):
+    """A copy of ``profile`` with dotted keys set, validated like a --set override."""
+    from orbitctl.profile.loader import validate_profile
+
+    data = profile.model_dump()
+    for key, value in change.items():
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                raise UserError(f"{key}: unknown profile key", fix="use a dotted key such as memory.micro_batch_size")
+            node = node[part]
+        if leaf not in node:
+            raise UserError(f"{key}: unknown profile key", fix="use a dotted key such as memory.micro_batch_size")
+        node[leaf] = value
+    return validate_profile(data, f"profile '{profile.name}'")
+
+
+def plan_profile(profile, *, gpu_memory_bytes: int | None = None, with_advice: bool = True) -> MemoryPlan:
+    """Plan a validated Profile; ``gpu_memory_bytes`` overrides the per-GPU capacity (e.g. free memory now)."""
+    arch = _arch(profile)
+    inputs = prepare(profile, arch)
+    plan = evaluate(profile, inputs, gpu_memory_bytes=gpu_memory_bytes)
+    plan.max_micro_batch = max_micro_batch(
+        lambda mb: evaluate(profile, inputs, gpu_memory_bytes=gpu_memory_bytes, micro_batch=mb).fits)
+    if with_advice:
+        def replan(change: dict[str, Any]) -> MemoryPlan | None:
+            try:
+                other = apply_changes(profile, change)
+            except (ProfileError, UserError):
+                return None
+            return evaluate(other, prepare(other, _arch(other)), gpu_memory_bytes=gpu_memory_bytes)
+
+        plan.advice = advise(profile, plan, arch, replan)
+    return plan
+
+
+def plan_sweep(profile, sweeps: list[tuple[str, list[Any]]], *, gpu_memory_bytes: int | None = None) -> list[dict]:
+    """Plan every combination of the swept values; one row per combination."""
+    rows = []
+    keys = [k for k, _ in sweeps]
+    for values in itertools.product(*(v for _, v in sweeps)):
+        change = dict(zip(keys, values))
+        plan = plan_profile(apply_changes(profile, change), gpu_memory_bytes=gpu_memory_bytes, with_advice=False)
+        rows.append({"values": change, "peak_bytes": plan.peak_bytes, "peak_phase": plan.peak_phase,
+                     "utilization": round(plan.utilization, 4), "fits": plan.fits,
+                     "max_micro_batch": plan.max_micro_batch, "phase_peak_bytes": plan.phase_peak_bytes})
+    return rows
+
+
+def measure_profile(profile, **kwargs):
+    """Calibrate the activation and logit terms under FakeTensorMode (imports torch)."""
+    from orbitctl.plan.measure import measure_profile as _measure
+
+    return _measure(profile, **kwargs)

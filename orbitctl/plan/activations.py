@@ -1,0 +1,180 @@
+"""Training activations and logits, counted tensor by tensor from what autograd saves.
+
+Per token, bytes, for a frozen BF16/quantized base with adapters (a frozen linear saves no
+input, so only adapted modules keep theirs):
+
+- RMSNorm (transformers upcasts to fp32 and keeps that copy): ``4h + 4``.
+- Attention with a flash-style kernel: rotated q and k, v, the output, fp32 log-sum-exp:
+  ``2ad_qk + 2gd_qk + 2gd_v + 2ad_v + 4a``; without it the fp32 softmax and its bf16 copy
+  add ``6as`` and k/v are expanded to all heads.
+- SwiGLU MLP: gate, up and silu(gate): ``6i``; the down input ``2i`` only when adapted.
+- MoE: router scores, top-k and sort indices, then per routed copy the permuted input,
+  gate/up output, silu output and expert output: ``k(4h + 6i_moe + 4) + 4E + 32k``.
+- Adapters: the shared normed input ``2h`` once per block, the LoRA-A output ``2r`` per
+  adapted module; dropout adds ``3 d_in`` (copy + mask) per module, fp32 adapters ``4 d_in``.
+
+With per-layer checkpointing only each layer's bf16 input ``2h`` stays; backward then
+recomputes one layer and holds its saved tensors plus the gradients of its largest block
+(about one block's saved size). Logits: the fp32 log-softmax output ``4V`` stays after the
+forward and ``12V`` are live when the loss backward starts; a chunked loss bounds that to
+the chunk. The no-grad log-prob passes RL adds (reference, old policy) peak at ``10V``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orbitctl.arch.spec import ATTENTION, EXPERT, MLP, SHARED_EXPERT, ArchSpec, Layer
+from orbitctl.plan.adapters import AdapterPlan
+
+
+@dataclass(frozen=True)
+class ActivationSettings:
+    tokens: int
+    """Tokens in one micro-batch (micro_batch_size x seq_len)."""
+    seq_len: int
+    checkpointing: bool
+    offload: bool
+    flash: bool
+    dropout: bool
+    adapter_bytes: int
+    loss_chunk: int
+    """Tokens per lm_head + loss chunk; 0 for the whole micro-batch at once."""
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    saved: float
+    """Bytes per token autograd keeps for this layer's backward."""
+    attention_block: float
+    mlp_block: float
+    materialized: float = 0.0
+    """Bytes (not per token) of bf16 expert weights an adapter on stacked experts builds."""
+
+
+@dataclass(frozen=True)
+class TrainActivations:
+    activations: float
+    logits: float
+    saved_boundaries_host: float
+    """Bytes of checkpoints offloaded to host RAM (per GPU)."""
+    moment: str
+    """Which moment of the step is the peak: 'loss backward', 'layer backward' or 'log-prob pass'."""
+
+
+def _lora_inputs(arch: ArchSpec, layer: Layer, ad: AdapterPlan, kinds: tuple[str, ...], st: ActivationSettings) -> float:
+    """Saved bytes per token that exist only because modules of these kinds are adapted."""
+    modules = [w for w in layer.weights if w.linear and w.kind in kinds and ad.adapted_in(layer.index, w.name)]
+    if not modules:
+        return 0.0
+    total = 0.0
+    for w in modules:
+        d_in, copies = w.shape[1], (arch.experts_per_token if w.kind == EXPERT else 1)
+        total += copies * ad.rank * st.adapter_bytes  # LoRA-A output, input of B
+        if st.dropout:
+            total += copies * 3 * d_in
+        if st.adapter_bytes == 4:
+            total += copies * 4 * d_in
+    # adapted modules reading the block's normed input share one saved copy of it
+    if not st.dropout and st.adapter_bytes == 2:
+        total += 2 * arch.hidden_size
+    return total
+
+
+def _adapted(layer: Layer, ad: AdapterPlan, suffixes: tuple[str, ...]) -> bool:
+    return any(ad.adapted_in(layer.index, w.name) for w in layer.weights if w.suffix in suffixes)
+
+
+def layer_activations(arch: ArchSpec, layer: Layer, ad: AdapterPlan, st: ActivationSettings) -> LayerActivations:
+    h, a, s = arch.hidden_size, arch.num_heads, st.seq_len
+    norm = 4 * h + 4
+    if arch.attention == "mla":
+        qk, dv = arch.qk_nope_head_dim + arch.qk_rope_head_dim, arch.v_head_dim
+        attn = 2 * a * qk * 2 + 2 * a * dv * 2 + 4 * a
+        if arch.q_lora_rank:
+            attn += 4 * arch.q_lora_rank + 4 + (2 * arch.q_lora_rank if _adapted(layer, ad, ("q_b_proj",)) else 0)
+        attn += 4 * arch.kv_lora_rank + 4 + (2 * arch.kv_lora_rank if _adapted(layer, ad, ("kv_b_proj",)) else 0)
+        kv_heads = a
+    else:
+        d, g = arch.head_dim, arch.num_kv_heads
+        attn = 2 * a * d + 2 * g * d + 2 * g * d + 2 * a * d + 4 * a
+        if arch.qk_norm:
+            attn += 4 * (a + g) * d + 4 * (a + g)
+        qk, dv, kv_heads = d, d, g
+    if not st.flash:
+        # eager: fp32 softmax kept for its backward, its bf16 copy for the value matmul,
+        # and k/v expanded from kv_heads to every head
+        attn += 6 * a * s + 2 * (a - kv_heads) * (qk + dv)
+    attn += norm + _lora_inputs(arch, layer, ad, (ATTENTION,), st)
+
+    mlp = float(norm)
+    materialized = 0.0
+    if layer.moe:
+        k, e, im = arch.experts_per_token, arch.num_experts, arch.moe_intermediate_size
+        router = (8 if arch.attention == "mla" else 4) * e  # sigmoid scores + biased copy for DeepSeek
+        mlp += k * (4 * h + 6 * im + 4) + router + 32 * k
+        if _adapted(layer, ad, ("down_proj",)) and ad.adapts_routed_experts:
+            mlp += k * 2 * im
+        if arch.shared_intermediate_size:
+            mlp += 6 * arch.shared_intermediate_size
+            shared_down = any(ad.adapted_in(layer.index, w.name) for w in layer.weights
+                              if w.kind == SHARED_EXPERT and w.suffix == "down_proj")
+            mlp += 2 * arch.shared_intermediate_size if shared_down else 0
+        if ad.adapts_routed_experts:
+            # LoRA on stacked expert parameters builds W + BA for every expert in bf16
+            materialized = sum(2 * w.numel for w in layer.weights if w.kind == EXPERT)
+        mlp += _lora_inputs(arch, layer, ad, (MLP, SHARED_EXPERT, EXPERT), st)
+    else:
+        i = arch.intermediate_size
+        mlp += 6 * i + (2 * i if _adapted(layer, ad, ("down_proj",)) else 0)
+        mlp += _lora_inputs(arch, layer, ad, (MLP,), st)
+    if ad.kind == "bottleneck":
+        mlp += 2 * h + 2 * ad.rank  # MLP output into down, relu output into up
+    return LayerActivations(saved=attn + mlp, attention_block=attn - norm, mlp_block=mlp - norm,
+                            materialized=materialized)
+
+
+def logits_peak(arch: ArchSpec, st: ActivationSettings, *, grad: bool = True) -> float:
+    """Bytes live in the lm_head + loss: 12V per token at the loss backward, 10V in a no-grad pass."""
+    tokens = min(st.loss_chunk, st.tokens) if st.loss_chunk else st.tokens
+    per_token = 12 if grad else 10
+    return float(per_token * arch.vocab_size * tokens)
+
+
+def train_activations(arch: ArchSpec, ad: AdapterPlan, st: ActivationSettings) -> TrainActivations:
+    """The activation and logits bytes at the peak moment of one micro-batch's forward + backward."""
+    t, h = st.tokens, arch.hidden_size
+    cache: dict[int, LayerActivations] = {}
+    per_layer = []
+    for layer in arch.layers:
+        key = id(layer.weights)
+        # identical layers have identical saved tensors unless the adapter choice differs by layer
+        if key not in cache or not isinstance(layer.weights, tuple):
+            cache[key] = layer_activations(arch, layer, ad, st)
+        per_layer.append(cache[key])
+    final_norm = (4 * h + 4) * t
+    boundary = 2 * h * t
+    host = 0.0
+    if st.checkpointing:
+        boundaries = 2 * boundary if st.offload else arch.num_layers * boundary
+        host = arch.num_layers * boundary if st.offload else 0.0
+        kept = boundaries
+        layer_moment = boundaries + max(
+            la.saved * t + max(la.attention_block, la.mlp_block) * t + la.materialized for la in per_layer)
+    else:
+        kept = sum(la.saved * t + la.materialized for la in per_layer)
+        last = per_layer[-1]
+        layer_moment = kept + max(last.attention_block, last.mlp_block) * t
+    chunked = bool(st.loss_chunk) and st.loss_chunk < st.tokens
+    # a chunked loss recomputes each chunk's logits in backward and keeps only per-token values
+    loss_logits = logits_peak(arch, st) + (8.0 * t if chunked else 0.0)
+    no_grad_layer = max(max(la.attention_block, la.mlp_block) * t + la.materialized for la in per_layer)
+    logprob_logits = logits_peak(arch, st, grad=False)
+    moments = {
+        "loss backward": (kept + final_norm, loss_logits),
+        "layer backward": (layer_moment, 0.0),
+        "log-prob pass": (no_grad_layer, logprob_logits),
+    }
+    name = max(moments, key=lambda m: sum(moments[m]))
+    acts, logits = moments[name]
+    return TrainActivations(acts, logits, host, name)

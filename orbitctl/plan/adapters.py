@@ -1,0 +1,83 @@
+"""Which weights get adapters, and how many trainable parameters that makes.
+
+Presets match the policy's module selection: ``attention``; ``attention+shared`` adds the
+MLPs every token passes through (dense layers and shared experts); ``attention+mlp`` adds
+the routed experts; ``all-linear`` adds the router too. lm_head is never adapted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orbitctl.arch.spec import ATTENTION, EXPERT, MLP, ROUTER, SHARED_EXPERT, ArchSpec, Weight
+from orbitctl.errors import UserError
+
+PRESETS = {
+    "attention": (ATTENTION,),
+    "attention+shared": (ATTENTION, MLP, SHARED_EXPERT),
+    "attention+mlp": (ATTENTION, MLP, SHARED_EXPERT, EXPERT),
+    "all-linear": (ATTENTION, MLP, SHARED_EXPERT, EXPERT, ROUTER),
+}
+
+
+@dataclass(frozen=True)
+class AdapterPlan:
+    kind: str
+    rank: int
+    trainable_params: int
+    largest_layer_params: int
+    """Adapter parameters of the layer with the most: the ZeRO-3 unit of gathered weights and grads."""
+    persistent_params: int
+    """Parameters in matrices below DeepSpeed's persistence threshold (10 x hidden): never partitioned."""
+    adapted: frozenset[tuple[int, str]]
+    """(layer index, weight name) of every adapted linear weight."""
+    adapts_routed_experts: bool
+
+    def adapted_in(self, layer_index: int, name: str) -> bool:
+        return (layer_index, name) in self.adapted
+
+
+def adapter_rank(adapter, hidden_size: int) -> int:
+    return max(1, hidden_size // 10) if adapter.rank == "auto" else int(adapter.rank)
+
+
+def _selected(arch: ArchSpec, targets) -> list[tuple[int, Weight]]:
+    linear = list(arch.linear_weights())
+    if isinstance(targets, str):
+        kinds = PRESETS[targets]
+        return [(i, w) for i, w in linear if w.kind in kinds]
+    wanted = [str(t) for t in targets]
+    chosen = [(i, w) for i, w in linear if any(w.name == t or w.name.endswith("." + t) or w.suffix == t for t in wanted)]
+    missing = [t for t in wanted if not any(w.name == t or w.name.endswith("." + t) for _, w in linear)]
+    if missing:
+        names = sorted({w.suffix for _, w in linear})
+        raise UserError(f"adapter.targets: no linear module named {', '.join(missing)} in {arch.name}",
+                        fix=f"choose from {', '.join(names)}")
+    return chosen
+
+
+def plan_adapters(arch: ArchSpec, adapter) -> AdapterPlan:
+    rank = adapter_rank(adapter, arch.hidden_size)
+    h = arch.hidden_size
+    threshold = 10 * h  # stage3_param_persistence_threshold as the HF integration sets it
+    if adapter.kind == "bottleneck":
+        # down [r, h] + bias [r], up [h, r] + bias [h], after every layer's MLP
+        matrices = [r_h for r_h in (rank * h, rank, h * rank, h)]
+        per_layer = sum(matrices)
+        persistent = sum(m for m in matrices if m < threshold) * arch.num_layers
+        return AdapterPlan("bottleneck", rank, per_layer * arch.num_layers, per_layer, persistent,
+                           frozenset(), False)
+    chosen = _selected(arch, adapter.targets)
+    if not chosen:
+        raise UserError(f"adapter.targets: '{adapter.targets}' matches no linear weight of {arch.name}",
+                        fix="name modules explicitly, e.g. [q_proj, v_proj]")
+    total = persistent = 0
+    per_layer: dict[int, int] = {}
+    for index, w in chosen:
+        out_f, in_f = w.shape
+        a_size, b_size = rank * in_f * w.copies, out_f * rank * w.copies
+        total += a_size + b_size
+        per_layer[index] = per_layer.get(index, 0) + a_size + b_size
+        persistent += sum(m for m in (a_size, b_size) if m < threshold)
+    return AdapterPlan("lora", rank, total, max(per_layer.values()), persistent,
+                       frozenset((i, w.name) for i, w in chosen), any(w.kind == EXPERT for _, w in chosen))

@@ -1,0 +1,101 @@
+"""Largest micro-batch that fits, and ordered advice: each change re-planned with its peak.
+
+Candidates come in the order an operator would try them (cheapest to the run first):
+micro-batch, checkpointing, chunked loss, activation offload, INT4, ZeRO-3, expert
+parallelism, prefetch depth, engine sleep/sharing, KV dtype, adapter targets, optimizer
+offload, shorter sequences, more GPUs. Fitting suggestions come first.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from orbitctl.plan.result import Advice, MemoryPlan
+
+MAX_MICRO_BATCH = 4096
+
+
+def max_micro_batch(fits_at: Callable[[int], bool]) -> int:
+    """Largest mb in [1, 4096] with fits_at(mb); 0 when even 1 does not fit (peak grows with mb)."""
+    if not fits_at(1):
+        return 0
+    low, high = 1, 2
+    while high <= MAX_MICRO_BATCH and fits_at(high):
+        low, high = high, high * 2
+    high = min(high, MAX_MICRO_BATCH + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits_at(mid) else (low, mid)
+    return low
+
+
+def _candidates(profile, plan: MemoryPlan, arch) -> list[tuple[dict[str, Any], str]]:
+    mem, quant, ro, hw = profile.memory, profile.quant, profile.rollout, profile.hardware
+    out: list[tuple[dict[str, Any], str]] = []
+    mb, best = mem.micro_batch_size, plan.max_micro_batch
+    if plan.fits and best > mb:
+        steps = max(1, math.ceil(mem.gradient_accumulation_steps * mb / best))
+        out.append(({"memory.micro_batch_size": best, "memory.gradient_accumulation_steps": steps},
+                    f"raise the micro-batch to {best} (largest that fits), accumulate {steps}"))
+        return out
+    if best and best < mb:
+        steps = math.ceil(mem.gradient_accumulation_steps * mb / best)
+        out.append(({"memory.micro_batch_size": best, "memory.gradient_accumulation_steps": steps},
+                    f"lower the micro-batch to {best} and accumulate {steps} steps (same global batch)"))
+    elif mb > 1:
+        out.append(({"memory.micro_batch_size": 1, "memory.gradient_accumulation_steps": mem.gradient_accumulation_steps * mb},
+                    "lower the micro-batch to 1"))
+    if not mem.gradient_checkpointing:
+        out.append(({"memory.gradient_checkpointing": True}, "turn on gradient checkpointing (keep one input per layer)"))
+    if mem.loss_chunk_size == 0 and mem.seq_len * mb > 1024:
+        out.append(({"memory.loss_chunk_size": 1024}, "compute lm_head + loss in chunks of 1024 tokens"))
+    if mem.offload_activations == "none":
+        change = {"memory.offload_activations": "cpu"}
+        if not mem.gradient_checkpointing:
+            change = {"memory.gradient_checkpointing": True, **change}
+        out.append((change, "offload the layer checkpoints to host RAM"))
+    if quant.format in ("fp8", "none"):
+        out.append(({"quant.format": "int4", "quant.group_size": 128 if quant.group_size not in (32, 64, 128) else quant.group_size},
+                    f"store the base as INT4 instead of {quant.format}"))
+    if mem.zero_stage < 3:
+        out.append(({"memory.zero_stage": 3}, "ZeRO-3: shard the frozen base across GPUs"))
+    if arch.is_moe and mem.expert_parallel == 1 and hw.gpus_per_node > 1 and mem.zero_stage == 3:
+        ep = max(d for d in range(1, hw.gpus_per_node + 1) if hw.gpus_per_node % d == 0 and arch.num_experts % d == 0)
+        if ep > 1:
+            out.append(({"memory.expert_parallel": ep}, f"expert parallelism {ep}: gather 1/{ep} of each MoE layer"))
+    if mem.prefetch_layers > 0 and mem.zero_stage == 3:
+        out.append(({"memory.prefetch_layers": 0}, "no ZeRO-3 prefetch (one gathered layer at a time; slower)"))
+    if ro.engine == "separate" and not ro.engine_sleep:
+        out.append(({"rollout.engine_sleep": True}, "let the inference engine sleep during the update"))
+    if ro.engine == "separate":
+        out.append(({"rollout.engine": "shared"}, "roll out on the trainer's own weights (no second copy)"))
+    if ro.kv_dtype == "bf16" and plan.peak_phase == "rollout":
+        out.append(({"rollout.kv_dtype": "fp8"}, "FP8 KV cache for rollout"))
+    if plan.details.get("adapts_routed_experts"):
+        out.append(({"adapter.targets": "attention+shared"}, "adapt attention and shared MLPs, not routed experts"))
+    if mem.offload_optimizer == "none" and mem.zero_stage >= 1:
+        out.append(({"memory.offload_optimizer": "cpu"}, "offload the fp32 master and Adam states to host RAM"))
+    if mem.seq_len >= 1024:
+        out.append(({"memory.seq_len": mem.seq_len // 2}, f"shorter sequences: {mem.seq_len // 2} tokens"))
+    if hw.gpus_per_node < 8:
+        out.append(({"hardware.gpus_per_node": 8}, "use 8 GPUs per node"))
+    else:
+        out.append(({"hardware.nodes": hw.nodes * 2}, f"use {hw.nodes * 2} nodes"))
+    return out
+
+
+def advise(profile, plan: MemoryPlan, arch, replan: Callable[[dict[str, Any]], MemoryPlan | None]) -> list[Advice]:
+    """Re-plan every candidate change; keep those that fit or lower the peak, fitting ones first."""
+    if plan.fits and not plan.tight and plan.max_micro_batch <= profile.memory.micro_batch_size:
+        return []
+    advice: list[Advice] = []
+    for change, text in _candidates(profile, plan, arch):
+        other = replan(change)
+        if other is None:
+            continue
+        if other.fits or other.peak_bytes < plan.peak_bytes:
+            advice.append(Advice(change, f"{text}: peak {other.peak_bytes / 2**30:.1f} GiB"
+                                         f" ({'fits' if other.fits else 'still over'})", other.peak_bytes, other.fits))
+    order = {id(a): i for i, a in enumerate(advice)}
+    return sorted(advice, key=lambda a: (not a.fits, order[id(a)] if a.fits else a.peak_bytes))

@@ -1,0 +1,131 @@
+"""The planner's answer: MemoryPlan (per component, per phase, verdict) and Advice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+GiB = 1024**3
+PHASES = ("policy_update", "rollout", "adapter_sync")
+
+# Components in the order the table shows them, with a one-line meaning (docs/plan.md has formulas).
+COMPONENTS = {
+    "cuda_context": "CUDA context, kernels and cuBLAS workspace",
+    "nccl": "NCCL communicator buffers",
+    "zero_buckets": "DeepSpeed reduce buckets (overlap_comm)",
+    "base_weights": "frozen base shard in its stored format",
+    "quant_state_replicated": "quantization metadata every rank keeps whole",
+    "zero3_gather": "ZeRO-3 gathered layers (current + prefetch)",
+    "dequant_transient": "bf16 copy of the weight being dequantized",
+    "adapter_weights": "trainable adapter weights",
+    "adapter_grads": "adapter gradients",
+    "optimizer_master": "fp32 master copy of the adapters",
+    "optimizer_adam": "Adam m and v (fp32)",
+    "adapter_gathered": "ZeRO-3 gathered adapter weights + grads of one layer",
+    "activations": "saved activations (checkpoints + one layer's recompute)",
+    "logits_loss": "logits, fp32 log-softmax and its gradient",
+    "rollout_kv_cache": "KV cache of the sequences being decoded",
+    "rollout_activations": "prefill/decode working set",
+    "engine_weights": "a separate inference engine's own weights",
+    "adapter_sync": "full adapter gathered for the engine / checkpoint",
+}
+
+
+@dataclass(frozen=True)
+class Advice:
+    change: dict[str, Any]
+    """Dotted profile key -> new value, e.g. {'memory.micro_batch_size': 4}."""
+    text: str
+    peak_bytes: int
+    fits: bool
+
+    def to_dict(self) -> dict:
+        return {"change": dict(self.change), "text": self.text, "peak_bytes": self.peak_bytes, "fits": self.fits,
+                "set": [f"{k}={_flag(v)}" for k, v in self.change.items()]}
+
+
+def _flag(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+@dataclass
+class MemoryPlan:
+    phases: dict[str, dict[str, int]]
+    """Phase -> component -> bytes per GPU."""
+    peak_phase: str
+    usable_bytes: int
+    gpu_memory_bytes: int
+    host_bytes: int
+    host_components: dict[str, int]
+    host_capacity_bytes: int
+    params_total: int
+    params_active: int
+    params_trainable: int
+    max_micro_batch: int
+    notes: list[str] = field(default_factory=list)
+    advice: list = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def phase_peak_bytes(self) -> dict[str, int]:
+        return {phase: sum(parts.values()) for phase, parts in self.phases.items()}
+
+    @property
+    def per_gpu_bytes(self) -> dict[str, int]:
+        """Components of the peak phase."""
+        return dict(self.phases[self.peak_phase])
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.phase_peak_bytes[self.peak_phase]
+
+    @property
+    def utilization(self) -> float:
+        return self.peak_bytes / self.gpu_memory_bytes
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_bytes <= self.host_capacity_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.usable_bytes and self.host_fits
+
+    @property
+    def tight(self) -> bool:
+        """Fits, but within 5% of the usable budget: fragmentation can tip it over."""
+        return self.fits and self.peak_bytes > 0.95 * self.usable_bytes
+
+    def verdict(self) -> str:
+        gib = lambda n: f"{n / GiB:.1f} GiB"  # noqa: E731
+        state = "FITS (tight)" if self.tight else ("FITS" if self.fits else "DOES NOT FIT")
+        text = (f"{state}: peak {gib(self.peak_bytes)} per GPU in {self.peak_phase} = "
+                f"{self.utilization:.0%} of {gib(self.gpu_memory_bytes)}, limit {gib(self.usable_bytes)}")
+        if not self.host_fits:
+            text += f"; host RAM {gib(self.host_bytes)} exceeds {gib(self.host_capacity_bytes)} per node"
+        return text
+
+    def to_dict(self) -> dict:
+        return {
+            "per_gpu_bytes": self.per_gpu_bytes,
+            "phases": {p: dict(c) for p, c in self.phases.items()},
+            "phase_peak_bytes": self.phase_peak_bytes,
+            "peak_phase": self.peak_phase,
+            "peak_bytes": self.peak_bytes,
+            "gpu_memory_bytes": self.gpu_memory_bytes,
+            "usable_bytes": self.usable_bytes,
+            "utilization": round(self.utilization, 4),
+            "fits": self.fits,
+            "tight": self.tight,
+            "max_micro_batch": self.max_micro_batch,
+            "host_bytes": self.host_bytes,
+            "host_components": dict(self.host_components),
+            "host_capacity_bytes": self.host_capacity_bytes,
+            "host_fits": self.host_fits,
+            "params_total": self.params_total,
+            "params_active": self.params_active,
+            "params_trainable": self.params_trainable,
+            "advice": [a.to_dict() for a in self.advice],
+            "notes": list(self.notes),
+            "details": dict(self.details),
+        }
