@@ -70,11 +70,13 @@ def nccl_env(s: Snapshot, ctx: CheckContext) -> Outcome:
 def nccl_shm(s: Snapshot, ctx: CheckContext) -> Outcome:
     shm = s.host.shm
     fix = "docker run --shm-size=16g ... (Kubernetes: an emptyDir with medium: Memory on /dev/shm); remove stale /dev/shm/nccl-* files"
-    if shm.status == "missing":
+    if shm.status == "missing" and s.has_gpus:
         return Outcome(FAIL, ["/dev/shm does not exist"], fix)
     if shm.total_bytes is None:
         return Outcome(UNKNOWN, ["/dev/shm could not be read"])
     ev = [f"/dev/shm {gib(shm.total_bytes)}, {gib(shm.free_bytes)} free"]
+    if not s.has_gpus:
+        return Outcome(INFO, ev + ["no GPU: NCCL will not use it (DataLoader workers still do)"])
     free = shm.free_bytes if shm.free_bytes is not None else shm.total_bytes
     if shm.total_bytes < SHM_FAIL or free < SHM_FAIL:
         return Outcome(FAIL, ev + ["below 256 MiB: NCCL's shared-memory transport will fail to create its segments"], fix)

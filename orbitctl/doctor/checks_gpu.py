@@ -207,6 +207,11 @@ def gpu_busy(s: Snapshot, ctx: CheckContext) -> Outcome:
         return gone
     if all(g.processes is None for g in s.nvml.gpus):
         return field_unknown(s.nvml.gpus, "processes", "running processes")
+    job = running_job(s)
+    if job:
+        return Outcome(WARN, [f"a job runs on every GPU: {job}; memory checks see its memory",
+                              "run the doctor between jobs for a clean reading of leftovers"],
+                       "If the job is stale: kill its ranks (pids above); if it is live, nothing to do")
     fails, warns = [], []
     for g in s.nvml.gpus:
         listed = 0
@@ -229,6 +234,17 @@ def gpu_busy(s: Snapshot, ctx: CheckContext) -> Outcome:
     if fails or warns:
         return Outcome(FAIL if fails else WARN, fails + warns, fix)
     return Outcome(PASS, ["no foreign processes on the GPUs"])
+
+
+def running_job(s: Snapshot) -> str | None:
+    """One live foreign process per GPU, all with one name: a data-parallel job, not leftovers."""
+    procs = [g.processes or [] for g in s.nvml.gpus]
+    if len(procs) < 2 or any(len(p) != 1 or p[0].own or p[0].alive is False for p in procs):
+        return None
+    names = {p[0].name for p in procs}
+    if len(names) != 1:
+        return None
+    return f"{len(procs)} x {names.pop() or 'process'} (pids {', '.join(str(p[0].pid) for p in procs)})"
 
 
 @check("gpu.persist", "GPU", "persistence mode on")

@@ -31,6 +31,7 @@ _ELASTIC_RANK = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank")
 _LINE_START = re.compile(
     r"^\s*(?:\[\d+\]\s*)?(?:\[rank\d+\]|\[default\d+\]|\[\d+,\d+\]<|\[?\d{4}-\d\d-\d\d|[EWIF]\d{4} |\[[EWIF]\d{0,4} |"
     r"Traceback|File \"|[\w.-]+:\d+:\d+ \[\d+\]|\w+:\d+:\d+|\(\w+ pid=)")
+_PREFIX = re.compile(r"^(?:\[[^\]]{1,40}\]:)+\s*")
 _LAST_ERROR = re.compile(r"Last error:\s*(.*)$")
 _EXC_LINE = re.compile(r"^(?:[\w.]+\.)?(?P<cls>\w*(?:Error|Exception))(?::\s?(?P<msg>.*))?$")
 
@@ -134,8 +135,8 @@ def scan_lines(lines: list[str]) -> Scan:
             pid_rank[m.group(1)] = int(m.group(2))
         if m := _ELASTIC_RANK.match(line[:200]):
             elastic_rank = (no, int(m.group(1)))
-        if pending_last_error is not None and stripped:
-            pending_last_error.detail = stripped[:300]
+        if pending_last_error is not None and _PREFIX.sub("", stripped):
+            pending_last_error.detail = _PREFIX.sub("", stripped)[:300]
             pending_last_error = None
         if "Last error:" in line and last_error_event is not None and no - last_error_event.line_no <= 12:
             rest = _LAST_ERROR.search(line[:MAX_LINE])
@@ -146,7 +147,7 @@ def scan_lines(lines: list[str]) -> Scan:
         if "Traceback (most recent call last)" in line:
             seen_traceback = True
         elif seen_traceback and scan.first_exception is None and len(stripped) < 2000:
-            body = re.sub(r"^(?:\[\w+\]:)+\s*", "", stripped)
+            body = _PREFIX.sub("", stripped)
             if (m := _EXC_LINE.match(body)) and m.group("cls"):
                 scan.first_exception = (no, body[:300])
         rank = None

@@ -3,7 +3,7 @@
 Fragmentation, capacity or another process is decided from the sizes, not from keywords
 (the message suggests expandable_segments even when it is already on):
   request > total                       -> capacity (one tensor larger than the GPU)
-  reserved-but-unallocated >= request   -> fragmentation
+  reserved-but-unallocated >= request   -> fragmentation (unless PyTorch holds >= 90% of the GPU)
   other processes' memory >= request    -> another process
   free >= request                       -> fragmentation (free memory not contiguous)
   unexplained non-PyTorch memory large  -> another process
@@ -115,7 +115,12 @@ def decide(d: OomDetails) -> None:
         d.kind = "cap"
         d.reasons.append(f"a single allocation of {_g(req)} is larger than the whole GPU ({_g(tot)})")
         return
-    if r is not None and r >= req:
+    used_by_torch = (d.allocated or 0) + (d.private_pools or 0)
+    nearly_full = d.allocated is not None and used_by_torch >= 0.90 * tot
+    if r is not None and r >= req and nearly_full:
+        d.reasons.append(f"reserved-but-unallocated {_g(r)} could hold the request, but PyTorch has allocated "
+                         f"{used_by_torch / tot:.0%} of the GPU: capacity first, fragmentation second")
+    elif r is not None and r >= req:
         d.kind = "frag"
         d.reasons.append(f"reserved-but-unallocated {_g(r)} >= request {_g(req)}: the cache holds enough memory, "
                          "but not in one block (fragmentation)")

@@ -158,7 +158,7 @@ SIGNATURES: list[Signature] = [
     _sig("nccl.sock", r"socketStartConnect: Connect to \S+ failed|Connection closed by remote peer|Connection reset by peer|"
          r"socketProgress(?:Opt)?: Call to recv", ("connect to", "connection closed", "connection reset", "socketprogress"),
          "a socket to a peer rank broke (the peer died or the network dropped)",
-         "Find the first error of the peer rank; check the network and NCCL_SOCKET_IFNAME", priority=35),
+         "Find the first error of the peer rank; check the network and NCCL_SOCKET_IFNAME", priority=30),
     _sig("nccl.remote", r"ncclRemoteError|remote process exited", ("ncclremoteerror", "remote process exited"),
          "a peer rank exited or its network failed", "Find the first error of the rank that exited (it is the cause)",
          priority=32, supersedes=("nccl.err",)),

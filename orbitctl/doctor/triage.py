@@ -76,8 +76,11 @@ def triage_log(text: str, *, profile: Any = None) -> LogTriage:
                 and status != INFO:
             status = WARN
             evidence.append(f"likely a consequence of {root.id}" + (f" on rank {root.ranks[0]}" if root.ranks else ""))
-        f = Finding(g.id, "log", status, g.title, evidence, g.fix, g.ranks[0] if len(g.ranks) == 1 else None,
-                    {**g.data, "ranks": g.ranks, "count": len(g.events), "first_line": g.first_line})
+        rank = g.ranks[0] if len(g.ranks) == 1 else None
+        for key in ("straggler_ranks", "missing_ranks"):
+            if rank is None and len(g.data.get(key, [])) == 1:
+                rank = g.data[key][0]
+        f = Finding(g.id, "log", status, g.title, evidence, g.fix, rank, {**g.data, "ranks": g.ranks, "count": len(g.events), "first_line": g.first_line})
         out.findings.append(f)
         if g is root:
             out.root_cause = f
