@@ -1,0 +1,132 @@
+"""Each format against the reference implementation of its layout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from orbitctl.quant.formats import (
+    FormatSpec, dequantize_fp8_blocks, dequantize_int4, pack_int4, quantize_fp8_blocks, quantize_int4, unpack_int4,
+)
+
+
+def _read_all(out) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(out.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            for k in f.keys():
+                tensors[k] = f.get_tensor(k)
+    return tensors
+
+
+def _source(tiny_models, arch) -> dict[str, torch.Tensor]:
+    return _read_all(tiny_models[arch])
+
+
+@pytest.mark.parametrize("fmt,storage,dq,block", [("nf4", "bf16", True, 64), ("nf4", "uint8", False, 64),
+                                                  ("fp4", "uint8", True, 128), ("fp4", "bf16", False, 64)])
+def test_bnb_packed_data_and_absmax_are_bit_identical_to_quantize_4bit(tiny_models, quantized, fmt, storage, dq, block):
+    import bitsandbytes.functional as bnbf
+
+    out = quantized("deepseek_v3", fmt, storage_dtype=storage, double_quant=dq, group_size=block)
+    stored, source = _read_all(out), _source(tiny_models, "deepseek_v3")
+    names = [n for n in stored if n + ".quant_map" in stored]
+    assert len(names) == 16  # 5 MLA projections x 2 layers, dense MLP 3, shared expert 3
+    storage_dtype = torch.bfloat16 if storage == "bf16" else torch.uint8
+    for name in names:
+        packed, state = bnbf.quantize_4bit(source[name], blocksize=block, compress_statistics=dq,
+                                           quant_type=fmt, quant_storage=storage_dtype)
+        assert stored[name].dtype == storage_dtype
+        assert torch.equal(stored[name].view(torch.uint8), packed.view(torch.uint8)), name
+        assert torch.equal(stored[name + ".absmax"], state.absmax), name
+        expected = state.as_dict(packed=True)
+        assert set(k for k in stored if k.startswith(name + ".")) == {f"{name}.{k}" for k in expected}
+        for key, value in expected.items():
+            assert torch.equal(stored[f"{name}.{key}"], value), f"{name}.{key}"
+
+
+def test_bnb_config_matches_what_transformers_writes(quantized):
+    config = json.loads((quantized("llama", "nf4") / "config.json").read_text())
+    qc = config["quantization_config"]
+    assert qc["quant_method"] == "bitsandbytes" and qc["load_in_4bit"] is True
+    assert qc["bnb_4bit_quant_type"] == "nf4" and qc["bnb_4bit_use_double_quant"] is True
+    assert qc["bnb_4bit_quant_storage"] == "bfloat16" and qc["llm_int8_skip_modules"] == ["lm_head"]
+
+
+def test_int4_layout_decodes_with_the_compressed_tensors_decompressor(tiny_models, quantized, qt):
+    out = quantized("qwen3_moe", "int4", group_size=64)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "pack-quantized" and qc["quant_method"] == "compressed-tensors"
+    weights = qc["config_groups"]["group_0"]["weights"]
+    assert (weights["num_bits"], weights["symmetric"], weights["strategy"], weights["group_size"]) == (4, True, "group", 64)
+    stored, source = _read_all(out), _source(tiny_models, "qwen3_moe")
+    prefixes = [n[: -len(".weight_packed")] for n in stored if n.endswith(".weight_packed")]
+    assert any(".experts.3.down_proj" in p for p in prefixes) and len(prefixes) == 2 * (4 + 4 * 3)
+    for prefix in prefixes:
+        assert stored[prefix + ".weight_packed"].dtype == torch.int32
+        assert stored[prefix + ".weight_scale"].dtype == torch.bfloat16
+        assert stored[prefix + ".weight_shape"].tolist() == list(source[prefix + ".weight"].shape)
+        theirs = qt.decode_ct_int4(stored, prefix, qc)
+        ours = dequantize_int4(stored[prefix + ".weight_packed"], stored[prefix + ".weight_scale"],
+                               source[prefix + ".weight"].shape[1], theirs.dtype)
+        assert theirs.dtype == torch.bfloat16 and torch.equal(theirs, ours), prefix
+        err = (theirs.float() - source[prefix + ".weight"].float()).norm() / source[prefix + ".weight"].float().norm()
+        assert 0.0 < err < 0.15
+
+
+def test_int4_packing_puts_the_first_column_in_the_lowest_nibble():
+    codes = torch.tensor([[-8, -7, 0, 1, 2, 3, 6, 7]], dtype=torch.int8)
+    word = pack_int4(codes)
+    nibbles = [0, 1, 8, 9, 10, 11, 14, 15]  # code + 8, lowest first
+    expected = sum(v << (4 * i) for i, v in enumerate(nibbles))
+    assert word.dtype == torch.int32 and word.item() == expected - 2**32  # top nibble 15 sets the sign bit
+    assert torch.equal(unpack_int4(word, 8), codes.to(torch.int32))
+
+
+def test_int4_quantization_on_known_values():
+    w = torch.tensor([[7.5, -7.5, 1.0, -1.04, 3.2, 0.0, 0.49, 0.51] * 4], dtype=torch.float32)
+    codes, scale = quantize_int4(w, 32)
+    assert scale.item() == 1.0  # absmax 7.5 / 7.5
+    assert codes[0, :8].tolist() == [7, -8, 1, -1, 3, 0, 0, 1]  # +7.5 clamps to 7, -7.5 rounds to -8
+
+
+def test_fp8_block_dequant_is_exact_on_known_blocks():
+    q = torch.zeros(200, 300, dtype=torch.float8_e4m3fn)
+    q[0, 0], q[127, 127], q[128, 0], q[199, 299], q[5, 200] = 1.5, -448.0, 2.0, 0.25, -3.0
+    scale = torch.tensor([[0.5, 2.0, 4.0], [0.125, 8.0, 1024.0]], dtype=torch.float32)
+    w = dequantize_fp8_blocks(q, scale, torch.float32)
+    assert w.shape == (200, 300)
+    assert (w[0, 0].item(), w[127, 127].item(), w[128, 0].item(), w[199, 299].item(), w[5, 200].item()) == \
+           (0.75, -224.0, 0.25, 256.0, -6.0)
+    assert int((w != 0).sum()) == 5
+
+
+def test_fp8_quantization_round_trips_representable_blocks_exactly():
+    # every value is an e4m3 number times a power of two and each block reaches 448 x scale
+    base = torch.tensor([448.0, -448.0, 1.0, 0.5, -2.25, 0.0], dtype=torch.float32)
+    w = base.repeat(256 * 256 // 6 + 1)[: 256 * 256].reshape(256, 256)
+    w[:128, 128:] *= 2.0**-6
+    w[128:, :128] *= 2.0**3
+    q, scale = quantize_fp8_blocks(w)
+    assert scale.shape == (2, 2) and q.dtype == torch.float8_e4m3fn
+    assert torch.equal(dequantize_fp8_blocks(q, scale, torch.float32), w)
+
+
+def test_fp8_checkpoint_layout(quantized):
+    out = quantized("deepseek_v3", "fp8")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                  "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
+    stored = _read_all(out)
+    assert stored["model.layers.1.mlp.experts.0.up_proj.weight"].dtype == torch.float8_e4m3fn
+    assert stored["model.layers.1.mlp.experts.0.up_proj.weight_scale_inv"].shape == (1, 1)
+    assert stored["model.layers.0.self_attn.q_b_proj.weight_scale_inv"].shape == (2, 1)
+    assert stored["lm_head.weight"].dtype == torch.bfloat16
+
+
+def test_describe_names_every_knob():
+    assert FormatSpec("nf4", 64, True, "bf16").describe() == {"format": "nf4", "block_size": 64, "double_quant": True,
+                                                              "storage_dtype": "bf16"}
