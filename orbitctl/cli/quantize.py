@@ -70,7 +70,10 @@ def quantize(
 
 
 class _progress_bar:
-    """A rich bar by bytes on stderr (throughput, ETA); a no-op with --json."""
+    """A rich bar by bytes on stderr (throughput, ETA), shown from the first byte; a no-op with --json.
+
+    Starting it lazily keeps bad-input errors, raised before any byte is read, to one line.
+    """
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
@@ -78,22 +81,21 @@ class _progress_bar:
         self.task = None
 
     def __enter__(self):
-        if not self.enabled:
-            return None
-        from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
-
-        self.bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                            TransferSpeedColumn(), TimeRemainingColumn(), console=output.stderr, transient=False)
-        self.bar.__enter__()
-        self.task = self.bar.add_task("quantizing", total=None)
-        return self.update
+        return self.update if self.enabled else None
 
     def update(self, done: int, total: int) -> None:
+        if self.bar is None:
+            from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+            self.bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                                TransferSpeedColumn(), TimeRemainingColumn(), console=output.stderr)
+            self.bar.start()
+            self.task = self.bar.add_task("quantizing", total=total)
         self.bar.update(self.task, completed=done, total=total)
 
     def __exit__(self, *exc) -> None:
         if self.bar is not None:
-            self.bar.__exit__(*exc)
+            self.bar.stop()
 
 
 def _render(result) -> None:
