@@ -56,8 +56,11 @@ def doctor(
         render(report)
         if save_snapshot:
             output.info(f"snapshot written to {save_snapshot}")
-    if report.exit_code:
-        raise typer.Exit(report.exit_code)
+    if report.failed:
+        from orbitctl.errors import CheckFailed
+
+        failed = [f.id for f in report.findings if f.status == "FAIL"]
+        raise CheckFailed(f"doctor found {len(failed)} failure(s): {', '.join(failed)}")
 
 
 def render(report) -> None:
@@ -77,8 +80,8 @@ def render(report) -> None:
         table = Table(title=area, title_justify="left", show_lines=True, expand=False)
         table.add_column("status", no_wrap=True)
         table.add_column("check", no_wrap=True)
-        table.add_column("evidence")
-        table.add_column("fix")
+        table.add_column("evidence", overflow="fold")
+        table.add_column("fix", overflow="fold")
         for f in rows:
             evidence = Text(f.title + "\n", style="bold")
             evidence.append("\n".join(f.evidence))

@@ -37,7 +37,9 @@ class Replan:
 
 
 def _gib(n: int | None) -> str:
-    return "?" if n is None else f"{n / GiB:.0f} GiB"
+    if n is None:
+        return "?"
+    return f"{n / GiB:.0f} GiB" if n >= 10 * GiB else f"{n / GiB:.1f} GiB"
 
 
 def _value(v: Any) -> str:
@@ -66,14 +68,12 @@ def replan(profile: Any, gpu_memory_bytes: int) -> Replan:
     out.usable_bytes = getattr(plan, "usable_bytes", None)
     out.max_micro_batch = getattr(plan, "max_micro_batch", None)
     fitting, other = [], []
-    for item in getattr(plan, "advice", None) or []:
+    # advice only matters when the run does not fit this memory (a fitting plan's advice grows the batch)
+    for item in (getattr(plan, "advice", None) or []) if not out.fits else []:
         change = dict(getattr(item, "change", None) or {})
         peak = getattr(item, "peak_bytes", None)
         line = (f"set {format_change(change)}: planned peak {_gib(peak)} of {_gib(out.usable_bytes)} usable"
                 if change else str(getattr(item, "text", "")))
-        text = getattr(item, "text", "")
-        if text and change:
-            line += f" ({text})"
         (fitting if getattr(item, "fits", False) else other).append((line, change))
     current_mb = getattr(getattr(profile, "memory", None), "micro_batch_size", None)
     if (not fitting and out.max_micro_batch and current_mb and 0 < out.max_micro_batch < current_mb):

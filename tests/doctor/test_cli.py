@@ -1,0 +1,87 @@
+"""The `orbitctl doctor` command: thin over diagnose(), exit codes 0/1/2, one JSON document, no traceback."""
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+import orbitctl.doctor as doctor_lib
+from orbitctl.cli.app import app, main
+from orbitctl.doctor import Report
+
+FIX = Path(__file__).parent / "fixtures"
+runner = CliRunner()
+
+
+def test_cli_passes_flags_to_one_library_call(monkeypatch):
+    seen = {}
+
+    def fake_diagnose(**kwargs):
+        seen.update(kwargs)
+        return Report()
+
+    monkeypatch.setattr(doctor_lib, "diagnose", fake_diagnose)
+    result = runner.invoke(app, ["doctor", "--log", "run.log", "--profile", "p.yaml", "--set", "memory.seq_len=2048",
+                                 "--snapshot", "s.json", "--save-snapshot", "o.json", "--expect-gpus", "8", "--active",
+                                 "--no-machine", "--json"])
+    assert result.exit_code == 0, result.output
+    assert seen == {"snapshot_path": "s.json", "save_snapshot_path": "o.json", "log": "run.log", "profile_path": "p.yaml",
+                    "overrides": ["memory.seq_len=2048"], "expect_gpus": 8, "active": True, "machine": False}
+    assert json.loads(result.stdout)["ok"] is True
+
+
+def test_gpu_less_machine_exits_0_and_says_so(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr()
+    assert "no NVIDIA driver/GPU found" in out.out
+    assert "Traceback" not in out.out + out.err
+    assert main(["doctor", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["exit_code"] == 0 and any("no NVIDIA driver/GPU found" in n for n in doc["notes"])
+    statuses = {f["id"]: f["status"] for f in doc["findings"]}
+    assert statuses["env.nvml"] == statuses["pcie.width"] == statuses["numa.bind"] == "SKIP"
+
+
+def test_fail_gives_exit_1_and_table(capsys):
+    assert main(["doctor", "--snapshot", str(FIX / "snapshots" / "pcie_x8.json")]) == 1
+    out = capsys.readouterr().out
+    assert "pcie.width" in out and "FAIL" in out and "topology" in out
+    assert main(["doctor", "--log", str(FIX / "logs" / "mixed_oom_rank3_then_timeouts.log")]) == 1
+    out = capsys.readouterr().out
+    assert "Root cause: log.oom.cap on rank 3" in out
+
+
+def test_bad_input_exits_2_without_traceback(tmp_path, capsys):
+    assert main(["doctor", "--log", str(tmp_path / "nope.log")]) == 2
+    err = capsys.readouterr().err
+    assert "nope.log: log file not found" in err and "Traceback" not in err
+    bad = tmp_path / "snap.json"
+    bad.write_text("[1, 2")
+    assert main(["doctor", "--snapshot", str(bad)]) == 2
+    assert "not a JSON snapshot" in capsys.readouterr().err
+
+
+def test_log_from_stdin_json():
+    text = (FIX / "logs" / "cuda_802.log").read_text()
+    result = runner.invoke(app, ["doctor", "--log", "-", "--json"], input=text)
+    assert result.exit_code == 1
+    doc = json.loads(result.stdout)
+    assert doc["root_cause"]["id"] == "log.cuda.802"
+    assert [f["area"] for f in doc["findings"]] == ["log"]  # a log alone does not probe this machine
+
+
+def test_save_snapshot_round_trip(tmp_path):
+    out = tmp_path / "here.json"
+    assert main(["doctor", "--save-snapshot", str(out), "--json"]) == 0
+    assert json.loads(out.read_text())["format"] == "orbitctl.doctor.snapshot/1"
+    assert main(["doctor", "--snapshot", str(out), "--json"]) == 0
+
+
+def test_help_has_examples_and_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys; from orbitctl.cli.app import main; main(['doctor', '--help']); print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "orbitctl doctor --log" in proc.stdout
+    assert proc.stdout.strip().endswith("False")
