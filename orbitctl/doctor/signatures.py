@@ -57,13 +57,23 @@ SIGNATURES: list[Signature] = [
          ("not yet initialized", "systemnotready", "system_not_ready"), "NVSwitch fabric manager not running (CUDA error 802)",
          "sudo systemctl enable --now nvidia-fabricmanager (same version as the driver); wait for `nvidia-smi -q | grep -A2 Fabric` "
          "to say Completed", priority=95),
+    _sig("cuda.nodev", r"no CUDA-capable device is detected|Found no NVIDIA driver on your system|cudaErrorNoDevice|"
+         r"NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver|CUDA driver initialization failed",
+         ("cuda-capable", "no nvidia driver", "nodevice", "nvidia-smi has failed", "driver initialization failed"),
+         "no GPU visible to the process (driver not loaded, or the container has no GPUs)",
+         "Check `nvidia-smi`; run containers with `--gpus all`; check CUDA_VISIBLE_DEVICES is not empty", priority=93),
+    _sig("drv.mismatch", r"Driver/library version mismatch|API mismatch: the NVIDIA kernel module", ("mismatch",),
+         "the NVIDIA kernel module and the user-space driver libraries differ (driver upgraded without reboot)",
+         "Reboot the node (or unload and reload the nvidia kernel modules) so both driver halves match", priority=93),
     _sig("cuda.drv", r"driver on your system is too old \(found version (?P<found>\d+)\)|CUDA driver version is insufficient "
          r"for CUDA runtime version|cudaErrorInsufficientDriver|forward compatibility was attempted on non supported HW",
          ("too old", "insufficient", "forward compatibility"), "NVIDIA driver older than the CUDA version torch was built for",
          "Upgrade the driver (nvidia-smi shows the CUDA version it supports), or install a torch wheel for that CUDA: "
          "pip install torch --index-url https://download.pytorch.org/whl/cu121", priority=92),
     _sig("cuda.arch", r"no kernel image is available|is not compatible with the current PyTorch installation|"
-         r"cudaErrorNoKernelImageForDevice", ("no kernel image", "not compatible with the current pytorch", "nokernelimage"),
+         r"cudaErrorNoKernelImageForDevice|HIP error: invalid device function|hipErrorNoBinaryForGpu",
+         ("no kernel image", "not compatible with the current pytorch", "nokernelimage", "invalid device function",
+          "nobinaryforgpu"),
          "the torch (or extension) build has no kernels for this GPU's architecture",
          "Install a wheel built for this GPU's sm_XX (`python -c 'import torch; print(torch.cuda.get_arch_list())'`), "
          "e.g. pip install torch --index-url https://download.pytorch.org/whl/cu128; rebuild custom extensions with "
@@ -71,7 +81,7 @@ SIGNATURES: list[Signature] = [
     _sig("bnb", r"CUDA Setup failed despite (?:GPU|CUDA) being available|Could not find the bitsandbytes CUDA binary|"
          r"bitsandbytes was compiled without GPU support|libbitsandbytes_cpu\.so: undefined symbol|"
          r"Required library version not found: libbitsandbytes|CUDA SETUP: CUDA detection failed|"
-         r"Could not load bitsandbytes native library",
+         r"Could not load bitsandbytes native library|libbitsandbytes_cuda\d+\S{0,20}\.so: cannot open shared object",
          ("cuda setup", "bitsandbytes", "libbitsandbytes"), "bitsandbytes cannot find a CUDA build matching this torch/CUDA",
          "pip install -U bitsandbytes; then `python -m bitsandbytes`; unset BNB_CUDA_VERSION unless you mean it; make "
          "sure LD_LIBRARY_PATH holds the libcudart that torch uses", priority=88),
@@ -83,10 +93,17 @@ SIGNATURES: list[Signature] = [
     _sig("oom", r"(?:CUDA|HIP) out of memory|OutOfMemoryError", ("out of memory", "outofmemoryerror"),
          "GPU out of memory (allocator)", FAQ_OOM, priority=80),
     _sig("oom.raw", r"CUBLAS_STATUS_ALLOC_FAILED|CUDA error: out of memory|Cuda failure (?:2 )?'out of memory'|"
-         r"cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY|Failed to CUDA calloc",
-         ("alloc_failed", "out of memory", "memoryallocation", "out_of_memory", "cuda calloc"),
+         r"cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY|Failed to CUDA calloc|"
+         r"CUBLAS_STATUS_NOT_INITIALIZED when calling `?cublasCreate|OOM when allocating tensor|RESOURCE_EXHAUSTED: Out of memory",
+         ("alloc_failed", "out of memory", "memoryallocation", "out_of_memory", "cuda calloc", "not_initialized",
+          "oom when allocating"),
          "GPU out of memory outside the PyTorch allocator (cuBLAS, NCCL or a kernel)",
          "Leave headroom: memory.max_hbm_utilization: 0.85; " + FAQ_OOM, priority=79, supersedes=("oom", "nccl.cudaf")),
+    _sig("oom.kv", r"No available memory for the cache blocks|larger than the maximum number of tokens that can be "
+         r"stored in KV cache", ("cache blocks", "stored in kv cache"),
+         "the rollout engine has no GPU memory left for its KV cache",
+         "Give the engine more memory (vLLM gpu_memory_utilization) or need less: rollout.max_new_tokens, "
+         "rollout.batch_size, rollout.kv_dtype: fp8, rollout.engine_sleep: true", priority=79),
     _sig("host.oom", r"exits with return code = -9|exitcode\s*:\s*-9\b|Killed process \d+|Out of memory: Kill|"
          r"Signal 9 \(SIGKILL\) received by PID|terminated with signal SIGKILL|oom-kill:|^\s*Killed\s*$",
          ("-9", "killed process", "out of memory: kill", "sigkill", "oom-kill", "killed"),
@@ -94,13 +111,25 @@ SIGNATURES: list[Signature] = [
          "Check `dmesg | grep -i 'killed process'`; reduce host memory: memory.offload_optimizer/offload_params: none or a "
          "smaller model shard per process, fewer dataloader workers, load checkpoints with low_cpu_mem_usage; or add RAM/swap",
          priority=78, flags=re.M),
-    _sig("train.nan", r"Current loss scale already at minimum|loss(?: is|=|:)\s*nan\b|non-finite loss|Detected NaN|"
-         r"nan or inf (?:found|detected)", ("loss scale already at minimum", "nan"),
+    _sig("train.nan", r"Current loss scale already at minimum|loss'?\"?(?: is|=|:)\s*nan\b|non-finite loss|Detected NaN|"
+         r"nan or inf (?:found|detected)|returned nan values in its \d+\w* output|grad_norm'?\"?:\s*nan\b", ("loss scale already at minimum", "nan"),
          "training diverged (NaN/inf loss)", FAQ_INSTABILITY, priority=65, flags=re.I),
     _sig("ds.flush", r"(?P<n>\d+) pytorch allocator cache flushes since last step", ("cache flushes",),
          "near-OOM: DeepSpeed ZeRO-3 had to flush the allocator cache",
          "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; lower memory.micro_batch_size or memory.prefetch_layers",
          severity=WARN, priority=40),
+    _sig("host.sigbus", r"exits with return code = -7\b|exitcode\s*:\s*-7\b|Signal 7 \(SIGBUS\)|Bus error",
+         ("-7", "sigbus", "bus error"), "SIGBUS: shared memory (/dev/shm) ran out under a worker or NCCL",
+         "docker run --shm-size=16g ... (Kubernetes: emptyDir medium: Memory on /dev/shm); fewer DataLoader workers",
+         priority=71),
+    _sig("host.segv", r"exits with return code = -11\b|exitcode\s*:\s*-11\b|Signal 11 \(SIGSEGV\)|Segmentation fault",
+         ("-11", "sigsegv", "segmentation fault"), "a native crash (SIGSEGV), usually a compiled extension built for another "
+         "torch/CUDA", "Reinstall compiled extensions against this torch (flash-attn, DeepSpeed ops: DS_BUILD_OPS=0, "
+         "bitsandbytes); run under `python -X faulthandler` to see the crashing frame", priority=62),
+    _sig("cuda.ordinal", r"invalid device ordinal|cudaErrorInvalidDevice", ("invalid device ordinal", "invaliddevice"),
+         "a rank asked for a GPU index that does not exist (more ranks than visible GPUs)",
+         "Launch no more ranks per node than GPUs (torchrun --nproc-per-node = GPU count); check CUDA_VISIBLE_DEVICES and "
+         "that each rank calls torch.cuda.set_device(local_rank)", priority=86),
     # CUDA faults
     _sig("cuda.assert", r"device-side assert triggered|cudaErrorAssert|block: \[\d+,\d+,\d+\], thread: \[\d+,\d+,\d+\] Assertion",
          ("device-side assert", "cudaerrorassert", "assertion"), "a device-side assert: an index or label out of range",
@@ -121,7 +150,7 @@ SIGNATURES: list[Signature] = [
          "/dev/shm too small or full", "docker run --shm-size=16g ... (Kubernetes: emptyDir medium: Memory on /dev/shm); "
          "rm -f /dev/shm/nccl-*; or export NCCL_SHM_DISABLE=1", priority=72, supersedes=("nccl.cudaf",)),
     _sig("nccl.if", r"no socket interface found|No usable listening interface|Bootstrap : no \S+ interface found|"
-         r"NCCL_SOCKET_IFNAME\S* \S* ?not found|is neither AF_INET", ("interface", "af_inet"),
+         r"NCCL_SOCKET_IFNAME\S* \S* ?not found|is neither AF_INET|[Nn]o (?:usable )?(?:socket |listening )?interface found", ("interface", "af_inet"),
          "NCCL found no usable network interface (NCCL_SOCKET_IFNAME wrong)",
          "List interfaces with `ip -br addr`; export NCCL_SOCKET_IFNAME=<iface> (one node: export NCCL_SOCKET_IFNAME=lo)",
          priority=72),
@@ -137,8 +166,9 @@ SIGNATURES: list[Signature] = [
          ("net/ib", "ibv_"), "InfiniBand/RoCE transport error",
          "Check the fabric: `ibstat`, `ibv_devinfo`, cables and switch ports; on one node: export NCCL_IB_DISABLE=1", priority=68),
     _sig("dist.store", r"Timed out after \d+ seconds waiting for clients|Timed out initializing process group in store based "
-         r"barrier|wait timeout after \d+ms, keys|DistStoreError|Socket Timeout|The client socket has timed out",
-         ("timed out", "wait timeout", "diststoreerror", "socket timeout"),
+         r"barrier|wait timeout after \d+ms, keys|DistStoreError|Socket Timeout|The client socket has timed out|"
+         r"RendezvousTimeoutError",
+         ("timed out", "wait timeout", "diststoreerror", "socket timeout", "rendezvoustimeouterror"),
          "rendezvous timed out: not every rank reached init_process_group",
          "Check MASTER_ADDR/MASTER_PORT are reachable from every node and that all ranks started; see the first error of the "
          "rank that did not join", priority=55),
@@ -156,7 +186,8 @@ SIGNATURES: list[Signature] = [
     _sig("nccl.err", r"NCCL error(?: in: (?P<file>\S+),|:) (?P<err>[^,\n]{1,200})(?:, NCCL version (?P<ver>\S+))?",
          ("nccl error",), "an NCCL call failed", "Read the lines after it (`Last error:`); " + FAQ_COMM, priority=45),
     _sig("nccl.sock", r"socketStartConnect: Connect to \S+ failed|Connection closed by remote peer|Connection reset by peer|"
-         r"socketProgress(?:Opt)?: Call to recv", ("connect to", "connection closed", "connection reset", "socketprogress"),
+         r"socketProgress(?:Opt)?: Call to recv|Connection closed by peer", ("connect to", "connection closed", "connection reset",
+                                                                            "socketprogress"),
          "a socket to a peer rank broke (the peer died or the network dropped)",
          "Find the first error of the peer rank; check the network and NCCL_SOCKET_IFNAME", priority=30),
     _sig("nccl.remote", r"ncclRemoteError|remote process exited", ("ncclremoteerror", "remote process exited"),

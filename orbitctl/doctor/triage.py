@@ -132,7 +132,7 @@ def _enrich(g: Group, groups: dict[str, Group]) -> None:
     elif len(g.events) > 1:
         g.evidence.append(f"{len(g.events)} line(s)")
     first = g.events[0]
-    if g.id.startswith("log.oom") and g.id != "log.oom.raw":
+    if "oom" in first.groups:
         d: OomDetails = first.groups["oom"]
         g.evidence.extend(d.reasons)
         g.data["oom"] = d.to_dict()
