@@ -27,7 +27,7 @@ _RANK_RES = (
 )
 _NCCL_PID = re.compile(r"(?:^|\s)[\w.-]+:(\d+):\d+ \[\d+\] NCCL")
 _NCCL_RANK_OF_PID = re.compile(r"(?:^|\s)[\w.-]+:(\d+):\d+ \[\d+\] NCCL INFO .{0,120}?\brank (\d+) nranks")
-_ELASTIC_RANK = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank")
+_ELASTIC_RANK = re.compile(r"(?:^|\s)rank\s*:\s*(\d+) \(local_rank")
 _LINE_START = re.compile(
     r"^\s*(?:\[\d+\]\s*)?(?:\[rank\d+\]|\[default\d+\]|\[\d+,\d+\]<|\[?\d{4}-\d\d-\d\d|[EWIF]\d{4} |\[[EWIF]\d{0,4} |"
     r"Traceback|File \"|[\w.-]+:\d+:\d+ \[\d+\]|\w+:\d+:\d+|\(\w+ pid=)")
@@ -133,7 +133,7 @@ def scan_lines(lines: list[str]) -> Scan:
         stripped = line.strip()
         if m := _NCCL_RANK_OF_PID.search(line[:400]):
             pid_rank[m.group(1)] = int(m.group(2))
-        if m := _ELASTIC_RANK.match(line[:200]):
+        if m := _ELASTIC_RANK.search(line[:200]):
             elastic_rank = (no, int(m.group(1)))
         if pending_last_error is not None and _PREFIX.sub("", stripped):
             pending_last_error.detail = _PREFIX.sub("", stripped)[:300]

@@ -2,12 +2,12 @@
 
 Fragmentation, capacity or another process is decided from the sizes, not from keywords
 (the message suggests expandable_segments even when it is already on):
-  request > total                       -> capacity (one tensor larger than the GPU)
-  reserved-but-unallocated >= request   -> fragmentation (unless PyTorch holds >= 90% of the GPU)
-  other processes' memory >= request    -> another process
-  free >= request                       -> fragmentation (free memory not contiguous)
-  unexplained non-PyTorch memory large  -> another process
-  otherwise                             -> capacity
+  request > total                                  -> capacity (one tensor larger than the GPU)
+  listed other processes' memory >= request        -> another process
+  memory outside this process >= max(request, 10%) -> another process
+  reserved-but-unallocated >= request              -> fragmentation (unless PyTorch holds >= 90% of the GPU)
+  free >= request                                  -> fragmentation (free memory not contiguous)
+  otherwise                                        -> capacity
 """
 
 from __future__ import annotations
@@ -117,6 +117,21 @@ def decide(d: OomDetails) -> None:
         return
     used_by_torch = (d.allocated or 0) + (d.private_pools or 0)
     nearly_full = d.allocated is not None and used_by_torch >= 0.90 * tot
+    if d.peers and d.peer_bytes >= req:
+        d.kind = "peer"
+        listed = ", ".join(f"pid {p}: {_g(b)}" for p, b in d.peers.items())
+        d.reasons.append(f"other processes hold {_g(d.peer_bytes)} on this GPU ({listed}) >= request {_g(req)}")
+        return
+    mine = d.this_process
+    if mine is None and d.allocated is not None:
+        mine = used_by_torch + (r or 0)
+    if mine is not None and d.free is not None:
+        unexplained = tot - d.free - mine - d.peer_bytes
+        if unexplained >= max(req, 0.10 * tot) and unexplained > (r or 0):
+            d.kind = "peer"
+            d.reasons.append(f"{_g(unexplained)} of the GPU is used outside this process (another process or "
+                             "container holds it)")
+            return
     if r is not None and r >= req and nearly_full:
         d.reasons.append(f"reserved-but-unallocated {_g(r)} could hold the request, but PyTorch has allocated "
                          f"{used_by_torch / tot:.0%} of the GPU: capacity first, fragmentation second")
@@ -125,23 +140,10 @@ def decide(d: OomDetails) -> None:
         d.reasons.append(f"reserved-but-unallocated {_g(r)} >= request {_g(req)}: the cache holds enough memory, "
                          "but not in one block (fragmentation)")
         return
-    if d.peers and d.peer_bytes >= req:
-        d.kind = "peer"
-        listed = ", ".join(f"pid {p}: {_g(b)}" for p, b in d.peers.items())
-        d.reasons.append(f"other processes hold {_g(d.peer_bytes)} on this GPU ({listed}) >= request {_g(req)}")
-        return
     if d.free is not None and d.free >= req:
         d.kind = "frag"
         d.reasons.append(f"{_g(d.free)} free >= request {_g(req)} yet the allocation failed: free memory is not contiguous")
         return
-    mine = d.this_process if d.this_process is not None else None
-    if mine is not None and d.free is not None:
-        unexplained = tot - d.free - mine - d.peer_bytes
-        if unexplained >= max(req, 0.10 * tot):
-            d.kind = "peer"
-            d.reasons.append(f"{_g(unexplained)} of the GPU is used outside this process (another process or "
-                             "container holds it)")
-            return
     d.kind = "cap"
     d.reasons.append(f"this process uses {_g(mine if mine is not None else d.allocated)} of {_g(tot)}: "
                      "the run needs more memory than the GPU has")

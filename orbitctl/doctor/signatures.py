@@ -52,16 +52,16 @@ SIGNATURES: list[Signature] = [
          ("xid", "fallen off"), "NVIDIA driver fault (Xid)", "See the Xid's own fix", priority=100),
     _sig("cuda.ecc", r"uncorrectable ECC error encountered|cudaErrorECCUncorrectable", ("ecc",),
          "double-bit (uncorrectable) ECC error", "Drain the node, reset the GPU (sudo nvidia-smi -r -i <gpu>); RMA if it repeats",
-         priority=97),
+         priority=97, supersedes=("cuda.err",)),
     _sig("cuda.802", r"system not yet initialized|cudaErrorSystemNotReady|CUDA_ERROR_SYSTEM_NOT_READY",
          ("not yet initialized", "systemnotready", "system_not_ready"), "NVSwitch fabric manager not running (CUDA error 802)",
          "sudo systemctl enable --now nvidia-fabricmanager (same version as the driver); wait for `nvidia-smi -q | grep -A2 Fabric` "
-         "to say Completed", priority=95),
+         "to say Completed", priority=95, supersedes=("cuda.err",)),
     _sig("cuda.nodev", r"no CUDA-capable device is detected|Found no NVIDIA driver on your system|cudaErrorNoDevice|"
          r"NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver|CUDA driver initialization failed",
          ("cuda-capable", "no nvidia driver", "nodevice", "nvidia-smi has failed", "driver initialization failed"),
          "no GPU visible to the process (driver not loaded, or the container has no GPUs)",
-         "Check `nvidia-smi`; run containers with `--gpus all`; check CUDA_VISIBLE_DEVICES is not empty", priority=93),
+         "Check `nvidia-smi`; run containers with `--gpus all`; check CUDA_VISIBLE_DEVICES is not empty", priority=93, supersedes=("cuda.err",)),
     _sig("drv.mismatch", r"Driver/library version mismatch|API mismatch: the NVIDIA kernel module", ("mismatch",),
          "the NVIDIA kernel module and the user-space driver libraries differ (driver upgraded without reboot)",
          "Reboot the node (or unload and reload the nvidia kernel modules) so both driver halves match", priority=93),
@@ -69,7 +69,7 @@ SIGNATURES: list[Signature] = [
          r"for CUDA runtime version|cudaErrorInsufficientDriver|forward compatibility was attempted on non supported HW",
          ("too old", "insufficient", "forward compatibility"), "NVIDIA driver older than the CUDA version torch was built for",
          "Upgrade the driver (nvidia-smi shows the CUDA version it supports), or install a torch wheel for that CUDA: "
-         "pip install torch --index-url https://download.pytorch.org/whl/cu121", priority=92),
+         "pip install torch --index-url https://download.pytorch.org/whl/cu121", priority=92, supersedes=("cuda.err",)),
     _sig("cuda.arch", r"no kernel image is available|is not compatible with the current PyTorch installation|"
          r"cudaErrorNoKernelImageForDevice|HIP error: invalid device function|hipErrorNoBinaryForGpu",
          ("no kernel image", "not compatible with the current pytorch", "nokernelimage", "invalid device function",
@@ -77,7 +77,7 @@ SIGNATURES: list[Signature] = [
          "the torch (or extension) build has no kernels for this GPU's architecture",
          "Install a wheel built for this GPU's sm_XX (`python -c 'import torch; print(torch.cuda.get_arch_list())'`), "
          "e.g. pip install torch --index-url https://download.pytorch.org/whl/cu128; rebuild custom extensions with "
-         "TORCH_CUDA_ARCH_LIST set", priority=90),
+         "TORCH_CUDA_ARCH_LIST set", priority=90, supersedes=("cuda.err",)),
     _sig("bnb", r"CUDA Setup failed despite (?:GPU|CUDA) being available|Could not find the bitsandbytes CUDA binary|"
          r"bitsandbytes was compiled without GPU support|libbitsandbytes_cpu\.so: undefined symbol|"
          r"Required library version not found: libbitsandbytes|CUDA SETUP: CUDA detection failed|"
@@ -98,7 +98,7 @@ SIGNATURES: list[Signature] = [
          ("alloc_failed", "out of memory", "memoryallocation", "out_of_memory", "cuda calloc", "not_initialized",
           "oom when allocating"),
          "GPU out of memory outside the PyTorch allocator (cuBLAS, NCCL or a kernel)",
-         "Leave headroom: memory.max_hbm_utilization: 0.85; " + FAQ_OOM, priority=79, supersedes=("oom", "nccl.cudaf")),
+         "Leave headroom: memory.max_hbm_utilization: 0.85; " + FAQ_OOM, priority=79, supersedes=("cuda.err", "oom", "nccl.cudaf")),
     _sig("oom.kv", r"No available memory for the cache blocks|larger than the maximum number of tokens that can be "
          r"stored in KV cache", ("cache blocks", "stored in kv cache"),
          "the rollout engine has no GPU memory left for its KV cache",
@@ -129,20 +129,20 @@ SIGNATURES: list[Signature] = [
     _sig("cuda.ordinal", r"invalid device ordinal|cudaErrorInvalidDevice", ("invalid device ordinal", "invaliddevice"),
          "a rank asked for a GPU index that does not exist (more ranks than visible GPUs)",
          "Launch no more ranks per node than GPUs (torchrun --nproc-per-node = GPU count); check CUDA_VISIBLE_DEVICES and "
-         "that each rank calls torch.cuda.set_device(local_rank)", priority=86),
+         "that each rank calls torch.cuda.set_device(local_rank)", priority=86, supersedes=("cuda.err",)),
     # CUDA faults
     _sig("cuda.assert", r"device-side assert triggered|cudaErrorAssert|block: \[\d+,\d+,\d+\], thread: \[\d+,\d+,\d+\] Assertion",
          ("device-side assert", "cudaerrorassert", "assertion"), "a device-side assert: an index or label out of range",
          "Rerun with CUDA_LAUNCH_BLOCKING=1 (or on CPU) to see the failing op; check token ids < vocab size and label ranges",
-         priority=76, supersedes=("nccl.cudaf",)),
+         priority=76, supersedes=("cuda.err", "nccl.cudaf",)),
     _sig("cuda.ima", r"an illegal memory access was encountered|cudaErrorIllegalAddress",
          ("illegal memory access", "illegaladdress"), "illegal memory access in a CUDA kernel (software bug or hardware fault)",
          "Rerun with CUDA_LAUNCH_BLOCKING=1 and `compute-sanitizer`; check the kernel log for Xid 13/31/48/79 "
-         "(`dmesg | grep -i xid`) to rule out hardware", priority=75, supersedes=("nccl.cudaf",)),
+         "(`dmesg | grep -i xid`) to rule out hardware", priority=75, supersedes=("cuda.err", "nccl.cudaf",)),
     _sig("cuda.launch", r"unspecified launch failure|cudaErrorLaunchFailure", ("unspecified launch failure", "launchfailure"),
          "a CUDA kernel crashed (unspecified launch failure)",
          "Check the kernel log for Xid 13/31/43/79 (`dmesg | grep -i xid`); rerun with CUDA_LAUNCH_BLOCKING=1",
-         priority=64, supersedes=("nccl.cudaf",)),
+         priority=64, supersedes=("cuda.err", "nccl.cudaf",)),
     # NCCL transport and setup
     _sig("nccl.shm", r"(?:creating|attaching to) shared memory segment|failed to extend /dev/shm|posix_fallocate failed|"
          r"shm_open failed|ncclShmOpen|insufficient shared memory \(shm\)",
@@ -157,7 +157,7 @@ SIGNATURES: list[Signature] = [
     _sig("nccl.p2p", r"peer access is not supported between these two devices", ("peer access",),
          "GPU peer-to-peer blocked (ACS/IOMMU, consumer GPUs, or each rank sees one GPU)",
          "export NCCL_P2P_DISABLE=1 (or disable ACS / boot with iommu=pt); if it comes from transport/shm.cc: "
-         "export NCCL_SHM_DISABLE=1 or NCCL_CUMEM_ENABLE=0", priority=71, supersedes=("nccl.cudaf",)),
+         "export NCCL_SHM_DISABLE=1 or NCCL_CUMEM_ENABLE=0", priority=71, supersedes=("cuda.err", "nccl.cudaf",)),
     _sig("port", r"failed to (?:listen on|bind to) \S{1,80} \(errno: 98|EADDRINUSE|[Aa]ddress already in use",
          ("errno: 98", "eaddrinuse", "address already in use"), "MASTER_PORT already in use (a stale job still listens)",
          "ss -ltnp 'sport = :29500' and kill the stale job; or pick another port: torchrun --master_port 29501 "
@@ -172,6 +172,16 @@ SIGNATURES: list[Signature] = [
          "rendezvous timed out: not every rank reached init_process_group",
          "Check MASTER_ADDR/MASTER_PORT are reachable from every node and that all ranks started; see the first error of the "
          "rank that did not join", priority=55),
+    _sig("nccl.dupgpu", r"Duplicate GPU detected", ("duplicate gpu",), "two ranks use the same GPU",
+         "Give each rank its own GPU: torch.cuda.set_device(local_rank) before init_process_group; launch no more ranks "
+         "than GPUs", priority=84),
+    _sig("cuda.err", r"CUDA error: (?P<err>[^\n.]{1,120})", ("cuda error:",),
+         "a CUDA error (see its text)", "Check the kernel log for Xid (`dmesg | grep -i xid`); rerun with "
+         "CUDA_LAUNCH_BLOCKING=1 to find the failing kernel", priority=58),
+    _sig("nccl.usage", r"ncclInvalidUsage|invalid usage \(run with", ("invalidusage", "invalid usage"),
+         "NCCL invalid usage (mismatched collective arguments, or a rank/GPU mapping error)",
+         "Check that every rank calls the same collectives with the same shapes and dtypes, and that each rank has its own "
+         "GPU; rerun with NCCL_DEBUG=WARN", priority=46, supersedes=("nccl.err",)),
     _sig("nccl.cudaf", r"NCCL WARN Cuda failure (?:\d+ )?'(?P<err>[^']{1,200})'", ("cuda failure",),
          "a CUDA call inside NCCL failed", "Read the CUDA error named in the line; check `dmesg | grep -i xid`", priority=60),
     _sig("nccl.sys", r"unhandled system error|ncclSystemError", ("system error", "ncclsystemerror"),

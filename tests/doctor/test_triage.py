@@ -45,7 +45,10 @@ EXPECTED = {
     "nccl_cudaf": ("log.nccl.cudaf", None, {"log.nccl.cuda"}),
     "nccl_ib": ("log.nccl.ib", None, {"log.nccl.remote"}),
     "nccl_if": ("log.nccl.if", None, {"log.nccl.int"}),
-    "nccl_ver": ("log.nccl.ver", None, {"log.nccl.err"}),
+    "nccl_ver": ("log.nccl.ver", None, {"log.nccl.usage"}),
+    "nccl_err": ("log.nccl.err", None, set()),
+    "nccl_dupgpu": ("log.nccl.dupgpu", None, {"log.nccl.usage"}),
+    "cuda_err": ("log.cuda.err", 7, set()),
     "nccl_abort": ("log.nccl.remote", 2, {"log.nccl.abort"}),
     "nccl_sock": ("log.nccl.sock", None, set()),
     "port": ("log.port", None, set()),
@@ -178,3 +181,20 @@ def test_fuzz_random_bytes_and_huge_lines_are_bounded():
         result = triage_log(blob)
         assert time.perf_counter() - start < 10
         assert isinstance(result.findings, list)
+
+
+@pytest.mark.parametrize("text, root_id, rank", [
+    ("(RayWorkerVllm pid=5304) [E ProcessGroupNCCL.cpp:916] [Rank 7] NCCL watchdog thread terminated with exception: "
+     "CUDA error: unknown error", "log.cuda.err", 7),
+    ("gpu-1:812:812 [1] init.cc:704 NCCL WARN Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000",
+     "log.nccl.dupgpu", None),
+    ("stderr: [0]:\nstderr:   rank      : 1 (local_rank: 1)\nstderr:   exitcode  : -9 (pid: 226263)", "log.host.oom", 1),
+    ("torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 50.00 MiB (GPU 0; 79.14 GiB total capacity; "
+     "10.43 GiB already allocated; 15.19 MiB free; 10.80 GiB reserved in total by PyTorch) If reserved memory is >> "
+     "allocated memory try setting max_split_size_mb to avoid fragmentation.", "log.oom.peer", None),
+    ("RuntimeError: NCCL Error 2: unhandled system error", "log.nccl.sys", None),
+    ("RuntimeError: CUDA error: no kernel image is available for execution on the device", "log.cuda.arch", None),
+])
+def test_real_world_variants(text, root_id, rank):
+    root = triage_log(text).root_cause
+    assert (root.id, root.rank) == (root_id, rank)
