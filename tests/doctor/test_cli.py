@@ -85,3 +85,12 @@ def test_help_has_examples_and_imports_no_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "orbitctl doctor --log" in proc.stdout
     assert proc.stdout.strip().endswith("False")
+
+
+def test_docs_list_every_check_and_signature():
+    from orbitctl.doctor import check_ids
+    from orbitctl.doctor.signatures import SIGNATURES
+
+    text = (Path(__file__).parents[2] / "docs" / "doctor.md").read_text()
+    missing = [i for i in check_ids() + [s.id for s in SIGNATURES] if f"`{i}`" not in text]
+    assert missing == []
