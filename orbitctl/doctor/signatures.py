@@ -213,8 +213,9 @@ SIGNATURES: list[Signature] = [
     _sig("nccl.pg", r"last enqueued (?:NCCL )?work: (?P<enq>-?\d+), last completed (?:NCCL )?work: (?P<done>-?\d+)",
          ("last enqueued",), "per-rank progress of the process group", "The rank with the lowest completed work is the straggler",
          severity=WARN, priority=19),
-    _sig("nccl.abort", r"NCCL communicator was aborted on rank (?P<r>\d+)|communicator was aborted",
-         ("communicator was aborted",), "communicator aborted after an earlier failure", "Find the first failure", priority=10),
+    _sig("nccl.abort", r"NCCL communicator was aborted on rank (?P<r>\d+)|communicator was aborted|"
+         r"Some NCCL operations have failed or timed out|we are taking the entire process down",
+         ("communicator was aborted", "some nccl operations", "entire process down"), "communicator aborted after an earlier failure", "Find the first failure", priority=10),
     _sig("nccl.depr", r"NCCL_ASYNC_ERROR_HANDLING is deprecated", ("nccl_async_error_handling is deprecated",),
          "deprecated variable name (harmless)", "unset NCCL_ASYNC_ERROR_HANDLING; export TORCH_NCCL_ASYNC_ERROR_HANDLING=3",
          severity=INFO, priority=0),

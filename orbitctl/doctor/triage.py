@@ -80,6 +80,8 @@ def triage_log(text: str, *, profile: Any = None) -> LogTriage:
         for key in ("straggler_ranks", "missing_ranks"):
             if rank is None and len(g.data.get(key, [])) == 1:
                 rank = g.data[key][0]
+        if rank is None and g.ranks and g.id not in ("log.nccl.timeout", "log.nccl.pg", "log.nccl.stuck"):
+            rank = g.events[0].rank  # the first rank that hit it (the others may follow from it)
         f = Finding(g.id, "log", status, g.title, evidence, g.fix, rank, {**g.data, "ranks": g.ranks, "count": len(g.events), "first_line": g.first_line})
         out.findings.append(f)
         if g is root:
