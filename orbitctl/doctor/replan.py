@@ -79,7 +79,8 @@ def replan(profile: Any, gpu_memory_bytes: int) -> Replan:
     if (not fitting and out.max_micro_batch and current_mb and 0 < out.max_micro_batch < current_mb):
         fitting.append((f"set memory.micro_batch_size={out.max_micro_batch}: the largest micro-batch that fits "
                         f"{_gib(out.usable_bytes)} usable", {"memory.micro_batch_size": out.max_micro_batch}))
-    out.advice = [line for line, _ in fitting + other]
+    # changes that make it fit, when there are any; otherwise the partial ones
+    out.advice = [line for line, _ in (fitting or other)]
     if fitting:
         out.set_flags = [f"{k}={_value(v)}" for k, v in fitting[0][1].items()]
     return out
