@@ -94,10 +94,26 @@ def parse_oom(text: str) -> OomDetails:
         if reserved is not None and d.allocated is not None:
             d.reserved_unallocated = max(0, reserved - d.allocated)
             d.this_process = reserved
+    _own_pid_listed_as_peer(d)
     if "HIP out of memory" in text:
         d.form = "hip"
     decide(d)
     return d
+
+
+def _own_pid_listed_as_peer(d: OomDetails) -> None:
+    """In a container the allocator cannot match its own PID and lists itself as 'Process N has M'.
+
+    With no 'this process has' entry, the listed process that holds at least everything
+    PyTorch reserved is this process, not another one.
+    """
+    if d.this_process is not None or d.allocated is None or not d.peers:
+        return
+    reserved = d.allocated + (d.reserved_unallocated or 0) + (d.private_pools or 0)
+    pid, size = max(d.peers.items(), key=lambda kv: kv[1])
+    if size >= reserved:
+        d.this_process = d.peers.pop(pid)
+        d.reasons.append(f"pid {pid} holds everything PyTorch reserved: it is this process (PID namespace)")
 
 
 def decide(d: OomDetails) -> None:

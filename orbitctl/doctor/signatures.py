@@ -208,9 +208,9 @@ SIGNATURES: list[Signature] = [
          "Check the kernel log for Xid; py-spy dump -n -p <pid>; raise TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC only if it is a "
          "false alarm", priority=18),
     _sig("nccl.timeout", r"Watchdog caught collective operation timeout: WorkNCCL\((?P<a>.{0,400}?)\) ran for (?P<ms>\d+) "
-         r"milliseconds", ("watchdog caught",),
+         r"milliseconds|Work WorkNCCL\((?P<a2>.{0,400}?)\) timed out in blocking wait", ("watchdog caught", "blocking wait"),
          "a collective timed out: one rank did not join it (crashed, hung, or desynchronised)", FAQ_COMM, priority=20),
-    _sig("nccl.pg", r"last enqueued (?:NCCL )?work: (?P<enq>-?\d+), last completed (?:NCCL )?work: (?P<done>-?\d+)",
+    _sig("nccl.pg", r"[Ll]ast enqueued (?:NCCL )?work: (?P<enq>-?\d+), last completed (?:NCCL )?work: (?P<done>-?\d+)",
          ("last enqueued",), "per-rank progress of the process group", "The rank with the lowest completed work is the straggler",
          severity=WARN, priority=19),
     _sig("nccl.abort", r"NCCL communicator was aborted on rank (?P<r>\d+)|communicator was aborted|"

@@ -159,7 +159,7 @@ def _progress(groups: dict[str, Group]) -> dict[str, Any]:
     timeout = groups.get("log.nccl.timeout")
     reporting: dict[int, dict] = {}
     for e in timeout.events if timeout else []:
-        args = e.groups.get("a", "")
+        args = e.groups.get("a") or e.groups.get("a2", "")
         seq = re.search(r"SeqNum=(\d+)", args)
         op = re.search(r"OpType=(\w+)", args)
         tmo = re.search(r"Timeout\(ms\)=(\d+)", args)

@@ -198,3 +198,22 @@ def test_fuzz_random_bytes_and_huge_lines_are_bounded():
 def test_real_world_variants(text, root_id, rank):
     root = triage_log(text).root_cause
     assert (root.id, root.rank) == (root_id, rank)
+
+
+def test_own_pid_listed_as_another_process_is_not_a_peer():
+    text = ("torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.92 GiB. GPU 1 has a total capacity of "
+            "39.39 GiB of which 2.00 MiB is free. Process 112077 has 39.38 GiB memory in use. Of the allocated memory 37.36 "
+            "GiB is allocated by PyTorch, and 76.66 MiB is reserved by PyTorch but unallocated.")
+    root = triage_log(text).root_cause
+    assert root.id == "log.oom.cap"
+    assert root.data["oom"]["peers"] == {} and root.data["oom"]["this_process"] == parse_size("39.38 GiB")
+
+
+def test_blocking_wait_timeout_and_capitalised_progress():
+    text = ("[rank3]:[E1002 18:16:40.711756918 ProcessGroupNCCL.cpp:756] [Rank 3] Work WorkNCCL(SeqNum=2521, "
+            "OpType=ALLREDUCE, NumelIn=160672064, NumelOut=160672064, Timeout(ms)=600000) timed out in blocking wait.\n"
+            "[rank1]:[E602 11:17:52.557 ProcessGroupNCCL.cpp:1743] [PG ID 0 PG GUID 0(default_pg) Rank 1] Received a dump "
+            "signal due to a collective timeout from this local rank. Last enqueued NCCL work: 6, last completed NCCL work: 6.")
+    found = {f.id: f for f in triage_log(text).findings}
+    assert found["log.nccl.timeout"].data["first"]["seq"] == 2521
+    assert found["log.nccl.timeout"].data["first"]["op"] == "ALLREDUCE"
