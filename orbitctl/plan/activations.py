@@ -46,10 +46,18 @@ class ActivationSettings:
 class LayerActivations:
     saved: float
     """Bytes per token autograd keeps for this layer's backward."""
+    attention_saved: float
     attention_block: float
+    """Bytes per token live while the attention block's backward runs (its gradients)."""
     mlp_block: float
+    """The same for the MLP/MoE block."""
     materialized: float = 0.0
     """Bytes (not per token) of bf16 expert weights an adapter on stacked experts builds."""
+
+    def backward_peak(self) -> float:
+        """Bytes per token at this layer's backward peak: backward runs the MLP first (everything
+        saved plus the MLP's gradients), then attention (only attention's saved tensors left)."""
+        return max(self.saved + self.mlp_block, self.attention_saved + self.attention_block)
 
 
 @dataclass(frozen=True)
@@ -90,7 +98,9 @@ def layer_activations(arch: ArchSpec, layer: Layer, ad: AdapterPlan, st: Activat
     norm = 4 * h + 4
     if arch.attention == "mla":
         qk, dv = arch.qk_nope_head_dim + arch.qk_rope_head_dim, arch.v_head_dim
-        attn = 2 * a * qk * 2 + 2 * a * dv * 2 + 4 * a
+        # flash kernels need one head size: v (and so the output) is padded to the q/k size
+        dv_kept = qk if st.flash else dv
+        attn = 2 * a * qk * 2 + 2 * a * dv_kept * 2 + 4 * a
         if arch.q_lora_rank:
             attn += 4 * arch.q_lora_rank + 4 + (2 * arch.q_lora_rank if _adapted(layer, ad, ("q_b_proj",)) else 0)
         attn += 4 * arch.kv_lora_rank + 4 + (2 * arch.kv_lora_rank if _adapted(layer, ad, ("kv_b_proj",)) else 0)
@@ -130,8 +140,8 @@ def layer_activations(arch: ArchSpec, layer: Layer, ad: AdapterPlan, st: Activat
         mlp += _lora_inputs(arch, layer, ad, (MLP,), st)
     if ad.kind == "bottleneck":
         mlp += 2 * h + 2 * ad.rank  # MLP output into down, relu output into up
-    return LayerActivations(saved=attn + mlp, attention_block=attn - norm, mlp_block=mlp - norm,
-                            materialized=materialized)
+    return LayerActivations(saved=attn + mlp, attention_saved=attn, attention_block=attn - norm,
+                            mlp_block=mlp - norm, materialized=materialized)
 
 
 def logits_peak(arch: ArchSpec, st: ActivationSettings, *, grad: bool = True) -> float:
@@ -159,12 +169,11 @@ def train_activations(arch: ArchSpec, ad: AdapterPlan, st: ActivationSettings) -
         boundaries = 2 * boundary if st.offload else arch.num_layers * boundary
         host = arch.num_layers * boundary if st.offload else 0.0
         kept = boundaries
-        layer_moment = boundaries + max(
-            la.saved * t + max(la.attention_block, la.mlp_block) * t + la.materialized for la in per_layer)
+        layer_moment = boundaries + max(la.backward_peak() * t + la.materialized for la in per_layer)
     else:
         kept = sum(la.saved * t + la.materialized for la in per_layer)
         last = per_layer[-1]
-        layer_moment = kept + max(last.attention_block, last.mlp_block) * t
+        layer_moment = kept + (last.backward_peak() - last.saved) * t
     chunked = bool(st.loss_chunk) and st.loss_chunk < st.tokens
     # a chunked loss recomputes each chunk's logits in backward and keeps only per-token values
     loss_logits = logits_peak(arch, st) + (8.0 * t if chunked else 0.0)
