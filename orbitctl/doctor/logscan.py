@@ -108,8 +108,14 @@ def line_rank(line: str, pid_rank: dict[str, int]) -> int | None:
     return None
 
 
+# One pass over a line tells whether any signature could match; most lines of a log have no needle.
+_ANY_NEEDLE = re.compile("|".join(sorted({re.escape(n) for s in SIGNATURES for n in s.needles}, key=len, reverse=True)))
+
+
 def match_line(chunk: str) -> list[tuple[Signature, re.Match]]:
     low = chunk.lower()
+    if not _ANY_NEEDLE.search(low):
+        return []
     hits = []
     for sig in SIGNATURES:
         if any(n in low for n in sig.needles):
