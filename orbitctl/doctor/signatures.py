@@ -105,7 +105,8 @@ SIGNATURES: list[Signature] = [
          "Give the engine more memory (vLLM gpu_memory_utilization) or need less: rollout.max_new_tokens, "
          "rollout.batch_size, rollout.kv_dtype: fp8, rollout.engine_sleep: true", priority=79),
     _sig("host.oom", r"exits with return code = -9|exitcode\s*:\s*-9\b|Killed process \d+|Out of memory: Kill|"
-         r"Signal 9 \(SIGKILL\) received by PID|terminated with signal SIGKILL|oom-kill:|^\s*Killed\s*$",
+         r"Signal 9 \(SIGKILL\) received by PID|terminated with signal SIGKILL|oom-kill:|^\s*Killed\s*$|"
+         r"is killed by signal: Killed",
          ("-9", "killed process", "out of memory: kill", "sigkill", "oom-kill", "killed"),
          "host RAM exhausted: the kernel's OOM killer sent SIGKILL (exit code -9)",
          "Check `dmesg | grep -i 'killed process'`; reduce host memory: memory.offload_optimizer/offload_params: none or a "
@@ -165,10 +166,21 @@ SIGNATURES: list[Signature] = [
     _sig("nccl.ib", r"NET/IB\w* ?: ?Got completion|NCCL WARN NET/IB\w* ?: (?P<detail>.{1,200})|Call to ibv_\w+ failed",
          ("net/ib", "ibv_"), "InfiniBand/RoCE transport error",
          "Check the fabric: `ibstat`, `ibv_devinfo`, cables and switch ports; on one node: export NCCL_IB_DISABLE=1", priority=68),
+    _sig("ddp.unused", r"Expected to have finished reduction in the prior iteration|"
+         r"parameters that were not used in producing loss", ("finished reduction", "not used in producing loss"),
+         "DDP: some parameters got no gradient in this step",
+         "Make every trainable parameter take part in the loss, or wrap with find_unused_parameters=True "
+         "(static_graph=True when the set never changes)", priority=56),
+    _sig("nccl.desync", r"Detected mismatch between collectives on ranks|collective sequence number mismatch|"
+         r"CollectiveFingerPrint\(.{0,200}?\) mismatch", ("mismatch between collectives", "sequence number mismatch",
+                                                           "fingerprint"),
+         "ranks called different collectives (desynchronised code paths)",
+         "Make every rank run the same collectives in the same order (no rank-dependent branches around all_reduce/"
+         "barrier); debug with TORCH_DISTRIBUTED_DEBUG=DETAIL", priority=57),
     _sig("dist.store", r"Timed out after \d+ seconds waiting for clients|Timed out initializing process group in store based "
          r"barrier|wait timeout after \d+ms, keys|DistStoreError|Socket Timeout|The client socket has timed out|"
-         r"RendezvousTimeoutError",
-         ("timed out", "wait timeout", "diststoreerror", "socket timeout", "rendezvoustimeouterror"),
+         r"RendezvousTimeoutError|retrieving ncclUniqueId from \[\d+\] via c10d key-value store",
+         ("timed out", "wait timeout", "diststoreerror", "socket timeout", "rendezvoustimeouterror", "nccluniqueid"),
          "rendezvous timed out: not every rank reached init_process_group",
          "Check MASTER_ADDR/MASTER_PORT are reachable from every node and that all ranks started; see the first error of the "
          "rank that did not join", priority=55),

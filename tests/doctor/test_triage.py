@@ -49,6 +49,8 @@ EXPECTED = {
     "nccl_err": ("log.nccl.err", None, set()),
     "nccl_dupgpu": ("log.nccl.dupgpu", None, {"log.nccl.usage"}),
     "cuda_err": ("log.cuda.err", 7, set()),
+    "ddp_unused": ("log.ddp.unused", 0, set()),
+    "nccl_desync": ("log.nccl.desync", 1, set()),
     "nccl_abort": ("log.nccl.remote", 2, {"log.nccl.abort"}),
     "nccl_sock": ("log.nccl.sock", None, set()),
     "port": ("log.port", None, set()),
@@ -193,6 +195,9 @@ def test_fuzz_random_bytes_and_huge_lines_are_bounded():
      "10.43 GiB already allocated; 15.19 MiB free; 10.80 GiB reserved in total by PyTorch) If reserved memory is >> "
      "allocated memory try setting max_split_size_mb to avoid fragmentation.", "log.oom.peer", None),
     ("RuntimeError: NCCL Error 2: unhandled system error", "log.nccl.sys", None),
+    ("RuntimeError: DataLoader worker (pid 3321) is killed by signal: Killed.", "log.host.oom", None),
+    ("[rank2]: torch.distributed.DistBackendError: [2] is setting up NCCL communicator and retrieving ncclUniqueId from "
+     "[0] via c10d key-value store by key '0', but store->get('0') got error: Connection reset by peer", "log.dist.store", 2),
     ("RuntimeError: CUDA error: no kernel image is available for execution on the device", "log.cuda.arch", None),
 ])
 def test_real_world_variants(text, root_id, rank):
