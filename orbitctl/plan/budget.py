@@ -114,7 +114,8 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
 
     # ---- frozen base ------------------------------------------------------------------------
     shard = world if mem.zero_stage == 3 else 1
-    base_gpu = 0.0 if mem.offload_params == "cpu" else storage.sharded_bytes / shard
+    offloaded = mem.offload_params == "cpu"
+    base_gpu = 0.0 if offloaded else storage.sharded_bytes / shard + storage.unshardable_bytes
     fmt = quant_format(profile.quant)
     if not fmt.shardable and mem.zero_stage == 3:
         notes.append("quant.storage_dtype uint8: ZeRO-3 cannot partition bitsandbytes' packed uint8 weights; "
@@ -126,7 +127,8 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
     if ad.adapts_routed_experts:
         notes.append("adapters on routed experts: PEFT builds every expert's bf16 weight per MoE layer "
                      f"({storage.layer_expert_bf16_bytes / GiB:.1f} GiB); prefer adapter.targets: attention+shared")
-    resident_base = {"base_weights": int(base_gpu), "quant_state_replicated": int(storage.replicated_bytes)}
+    resident_base = {"base_weights": int(base_gpu),
+                     "quant_state_replicated": 0 if offloaded else int(storage.replicated_bytes)}
 
     # ---- adapter states ---------------------------------------------------------------------
     states = model_states(
@@ -174,7 +176,8 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
         "processes": PROCESS_HOST_BYTES * gpn,
         "offloaded_activations": int(acts.saved_boundaries_host * gpn),
         "offloaded_optimizer": int(states.host),
-        "offloaded_base": int(storage.total_bytes / nodes) if mem.offload_params == "cpu" else 0,
+        "offloaded_base": int((storage.sharded_bytes + storage.unshardable_bytes) / nodes
+                              + storage.replicated_bytes * gpn) if offloaded else 0,
         "sleeping_engine": int(engine * gpn) if asleep else 0,
         "load_path": int(4 * arch.largest_layer_params),
     }

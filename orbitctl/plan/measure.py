@@ -169,3 +169,11 @@ def _train_step(model, optimizer, ids, loss_chunk: int) -> None:
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def calibrate(plan, measurement: Measurement) -> None:
+    """Replace the plan's analytic activation and logit terms by the calibrated ones."""
+    update = plan.phases["policy_update"]
+    update.update(measurement.calibrated_bytes)
+    plan.peak_phase = max(plan.phases, key=lambda p: sum(plan.phases[p].values()))
+    plan.notes.append(f"activations and logits calibrated by --measure (x{measurement.activation_ratio:.2f})")

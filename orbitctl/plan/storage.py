@@ -65,8 +65,10 @@ class BaseStorage:
     plain_params: int
     sharded_bytes: float
     """Bytes ZeRO-3 partitions across ranks (packed weights, sharded scales, bf16 weights)."""
+    unshardable_bytes: float
+    """Packed weights ZeRO-3 cannot partition (bitsandbytes uint8 storage): whole on every rank."""
     replicated_bytes: float
-    """Bytes every rank keeps whole whatever the ZeRO stage (bnb quant state, unshardable storage)."""
+    """Quantization metadata every rank keeps whole whatever the ZeRO stage (bnb quant state)."""
     layer_bytes: tuple[float, ...]
     """Stored bytes of each decoder layer (all experts), the ZeRO-3 gather unit."""
     layer_expert_bytes: tuple[float, ...]
@@ -80,59 +82,61 @@ class BaseStorage:
 
     @property
     def total_bytes(self) -> float:
-        return self.sharded_bytes + self.replicated_bytes
+        return self.sharded_bytes + self.unshardable_bytes + self.replicated_bytes
 
 
 def base_storage(arch: ArchSpec, quant, model_dtype: str = "bf16") -> BaseStorage:
     fmt = quant_format(quant)
     plain_dtype_bytes = DTYPE_BYTES[model_dtype]
-    cache: dict[int, tuple[float, float, float, int, int, int]] = {}
+    cache: dict[int, tuple] = {}
 
-    def weight_bytes(w: Weight) -> tuple[float, float, int, int]:
-        """(sharded, replicated, quantized params, plain params) of one weight."""
+    def weight_bytes(w: Weight) -> tuple[float, float, float, int, int]:
+        """(sharded, unshardable, replicated metadata, quantized params, plain params) of one weight."""
         if not w.parameter:
-            return 0.0, 0.0, 0, 0
+            return 0.0, 0.0, 0.0, 0, 0
         if is_quantized(w, quant):
             data = w.numel * fmt.data_bits / 8
             meta = w.numel * fmt.replicated_bits / 8
-            return (data, meta, w.numel, 0) if fmt.shardable else (0.0, data + meta, w.numel, 0)
+            return (data, 0.0, meta, w.numel, 0) if fmt.shardable else (0.0, data, meta, w.numel, 0)
         nbytes = DTYPE_BYTES.get(w.dtype or "", plain_dtype_bytes)
-        return float(w.numel * nbytes), 0.0, 0, w.numel
+        return float(w.numel * nbytes), 0.0, 0.0, 0, w.numel
 
     def layer_totals(weights: tuple[Weight, ...]):
         key = id(weights)
         if key not in cache:
-            sharded = replicated = experts = 0.0
-            q = p = dequant = 0
+            totals = [0.0, 0.0, 0.0, 0, 0]
+            experts, dequant = 0.0, 0
             for w in weights:
-                s, r, wq, wp = weight_bytes(w)
-                sharded, replicated, q, p = sharded + s, replicated + r, q + wq, p + wp
+                parts = weight_bytes(w)
+                totals = [a + b for a, b in zip(totals, parts)]
                 if w.kind == EXPERT:
-                    experts += s + r
-                if wq:
+                    experts += sum(parts[:3])
+                if parts[3]:
                     dequant = max(dequant, 2 * w.numel // w.copies)
             stacked = sum(2 * w.numel for w in weights if w.kind == EXPERT)
-            cache[key] = (sharded, replicated, experts, q, p, max(dequant, 0), stacked)
+            cache[key] = (totals, experts, dequant, stacked)
         return cache[key]
 
-    sharded = replicated = 0.0
-    quantized = plain = dequant = stacked = 0
+    totals = [0.0, 0.0, 0.0, 0, 0]
+    dequant = stacked = 0
     layer_bytes, layer_experts = [], []
     for layer in arch.layers:
-        s, r, e, q, p, d, st = layer_totals(layer.weights)
-        sharded, replicated, quantized, plain = sharded + s, replicated + r, quantized + q, plain + p
+        parts, experts, d, st = layer_totals(layer.weights)
+        totals = [a + b for a, b in zip(totals, parts)]
         dequant, stacked = max(dequant, d), max(stacked, st)
-        layer_bytes.append(s + r)
-        layer_experts.append(e)
+        layer_bytes.append(sum(parts[:3]))
+        layer_experts.append(experts)
     globals_bytes = {}
     for w in arch.global_weights:
-        s, r, q, p = weight_bytes(w)
-        sharded, replicated, quantized, plain = sharded + s, replicated + r, quantized + q, plain + p
-        globals_bytes[w.kind] = s + r
-        if q:
+        parts = weight_bytes(w)
+        totals = [a + b for a, b in zip(totals, parts)]
+        globals_bytes[w.kind] = sum(parts[:3])
+        if parts[3]:
             dequant = max(dequant, 2 * w.numel)
+    sharded, unshardable, replicated, quantized, plain = totals
     return BaseStorage(
-        quantized_params=quantized, plain_params=plain, sharded_bytes=sharded, replicated_bytes=replicated,
+        quantized_params=int(quantized), plain_params=int(plain), sharded_bytes=sharded,
+        unshardable_bytes=unshardable, replicated_bytes=replicated,
         layer_bytes=tuple(layer_bytes), layer_expert_bytes=tuple(layer_experts),
         embedding_bytes=globals_bytes.get(EMBEDDING, 0.0), lm_head_bytes=globals_bytes.get(LM_HEAD, 0.0),
         largest_dequant_bytes=dequant, layer_expert_bf16_bytes=stacked,

@@ -1,0 +1,143 @@
+"""`orbitctl plan PROFILE`: does the run fit, where does the memory go, what to change.
+
+    orbitctl plan profiles/kimi-k2_grpo_int4_8xb200.yaml
+    orbitctl plan profiles/llama-3.1-8b_grpo_qlora-nf4_1x24g.yaml --json
+    orbitctl plan profiles/kimi-k2_grpo_int4_8xh200.yaml --sweep memory.micro_batch_size=1,2,4,8
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from orbitctl.cli import output
+from orbitctl.cli.common import JsonOption, SetOption, overrides
+
+GiB = 1024**3
+
+
+def plan(
+    profile: Optional[str] = typer.Argument(None, help="Profile YAML file."),
+    set_: Optional[List[str]] = SetOption,
+    json_out: bool = JsonOption,
+    sweep: Optional[List[str]] = typer.Option(
+        None, "--sweep", metavar="KEY=V1,V2", help="Plan every value of a key (repeatable: all combinations)."),
+    measure: bool = typer.Option(
+        False, "--measure", help="Calibrate activations and logits with one fake-tensor step of a 2-layer copy (imports torch)."),
+    list_archs: bool = typer.Option(False, "--list-archs", help="List the built-in architectures and exit."),
+) -> None:
+    """Per-GPU memory by component and phase, the verdict, the largest micro-batch and advice.
+
+    Exit code 0 when the plan fits, 1 when it does not, 2 on bad input.
+
+    Examples:
+
+        orbitctl plan profiles/kimi-k2_grpo_int4_8xb200.yaml
+
+        orbitctl plan profiles/llama-3.1-70b_grpo_qlora-nf4_2x24g.yaml --set memory.seq_len=2048 --json
+
+        orbitctl plan profiles/qwen3-235b-a22b_grpo_int4_8xh100.yaml --sweep memory.micro_batch_size=1,2,4,8
+
+        orbitctl plan profiles/tiny-cpu.yaml --measure
+    """
+    from orbitctl.plan import run_plan
+
+    result = run_plan(profile, overrides(set_), sweeps=list(sweep or []), measure=measure, list_archs=list_archs)
+    if json_out:
+        output.emit_json(result.to_dict())
+    elif result.archs is not None:
+        output.show(_arch_table(result.archs))
+    elif result.sweep is not None:
+        output.show(_sweep_table(result.sweep, result.usable_bytes))
+    else:
+        _render(result)
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def _render(result) -> None:
+    from rich.table import Table
+
+    from orbitctl.plan import COMPONENTS, PHASES
+
+    plan = result.plan
+    table = Table(title=f"{result.profile_name}: GiB per GPU", title_justify="left")
+    table.add_column("component")
+    for phase in PHASES:
+        marker = " (peak)" if phase == plan.peak_phase else ""
+        table.add_column(phase + marker, justify="right", style="bold" if marker else None)
+    for component, meaning in COMPONENTS.items():
+        cells = [plan.phases[p].get(component) for p in PHASES]
+        if all(not c for c in cells):
+            continue
+        table.add_row(component, *("" if c is None else _gib(c) for c in cells))
+    table.add_section()
+    table.add_row("total", *(_gib(plan.phase_peak_bytes[p]) for p in PHASES))
+    output.show(table)
+    color = "green" if plan.fits and not plan.tight else ("yellow" if plan.fits else "red")
+    output.show(f"[{color}]{plan.verdict()}[/{color}]")
+    output.show(f"params: {plan.params_total / 1e9:.1f} B total, {plan.params_active / 1e9:.1f} B active, "
+                f"{plan.params_trainable / 1e6:.1f} M trainable; largest micro-batch that fits: {plan.max_micro_batch}; "
+                f"host RAM {_gib(plan.host_bytes)} of {_gib(plan.host_capacity_bytes)} GiB per node")
+    for note in plan.notes:
+        output.show(f"note: {note}")
+    if plan.advice:
+        output.show("advice:")
+        for i, advice in enumerate(plan.advice, 1):
+            flags = " ".join(f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in advice.change.items())
+            output.show(f"  {i}. {advice.text}   [dim]{flags}[/dim]")
+    if result.measurement is not None:
+        output.show(_measure_table(result.measurement))
+
+
+def _measure_table(m):
+    from rich.table import Table
+
+    table = Table(title=f"--measure: {m.layers}-layer copy at real width, {m.tokens} tokens per micro-batch (MiB)",
+                  title_justify="left")
+    for col in ("component", "predicted", "measured", "measured/predicted"):
+        table.add_column(col, justify="left" if col == "component" else "right")
+    for row in m.rows:
+        pred, meas = row["predicted_bytes"], row["measured_bytes"]
+        table.add_row(row["component"], f"{pred / 2**20:.1f}", f"{meas / 2**20:.1f}",
+                      f"{meas / pred:.2f}" if pred else "-")
+    table.caption = (f"calibrated full-model activations {_gib(m.calibrated_bytes['activations'])} GiB, "
+                     f"logits {_gib(m.calibrated_bytes['logits_loss'])} GiB (ratio {m.activation_ratio:.2f})"
+                     + "".join(f"\nnote: {n}" for n in m.notes))
+    return table
+
+
+def _sweep_table(rows, usable):
+    from rich.table import Table
+
+    keys = list(rows[0]["values"]) if rows else []
+    table = Table(title=f"sweep (GiB per GPU, limit {_gib(usable)})", title_justify="left")
+    for k in keys:
+        table.add_column(k)
+    for col in ("peak", "phase", "util", "fits", "max mb"):
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(*(str(row["values"][k]) for k in keys), _gib(row["peak_bytes"]), row["peak_phase"],
+                      f"{row['utilization']:.0%}", "yes" if row["fits"] else "[red]no[/red]", str(row["max_micro_batch"]))
+    return table
+
+
+def _arch_table(archs):
+    from rich.table import Table
+
+    table = Table(title="built-in architectures", title_justify="left")
+    for col in ("arch", "model_type", "layers", "attention", "total (B)", "active (B)"):
+        table.add_column(col, justify="right" if "(" in col or col == "layers" else "left")
+    for a in archs:
+        table.add_row(a["name"], a["model_type"], str(a["layers"]), a["attention"],
+                      f"{a['params_total'] / 1e9:.2f}", f"{a['params_active'] / 1e9:.2f}")
+    return table
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan")(plan)

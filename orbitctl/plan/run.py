@@ -1,0 +1,82 @@
+"""What `orbitctl plan` computes, callable from Python: plan, sweep, measurement or the catalog."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from orbitctl.errors import UserError
+
+
+@dataclass
+class PlanRun:
+    profile_name: str | None = None
+    plan: Any = None
+    sweep: list[dict] | None = None
+    measurement: Any = None
+    archs: list[dict] | None = None
+    usable_bytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """The exit status: the plan fits (a sweep: some combination fits)."""
+        if self.archs is not None:
+            return True
+        if self.sweep is not None:
+            return any(row["fits"] for row in self.sweep)
+        return bool(self.plan.fits)
+
+    def to_dict(self) -> dict:
+        if self.archs is not None:
+            return {"archs": self.archs}
+        doc: dict[str, Any] = {"profile": self.profile_name}
+        if self.sweep is not None:
+            doc.update(usable_bytes=self.usable_bytes, sweep=self.sweep)
+            return doc
+        doc.update(self.plan.to_dict())
+        if self.measurement is not None:
+            doc["measurement"] = self.measurement.to_dict()
+        return doc
+
+
+def parse_sweep(item: str) -> tuple[str, list[Any]]:
+    """'memory.micro_batch_size=1,2,4' -> ('memory.micro_batch_size', [1, 2, 4])."""
+    import yaml
+
+    key, sep, raw = item.partition("=")
+    values = [v.strip() for v in raw.split(",") if v.strip()]
+    if not sep or not key.strip() or not values:
+        raise UserError(f"--sweep {item}: expected KEY=V1,V2,...", fix="e.g. --sweep memory.micro_batch_size=1,2,4,8")
+    return key.strip(), [yaml.safe_load(v) for v in values]
+
+
+def run_plan(path: str | None, overrides: list[str] | tuple[str, ...] = (), *, sweeps: list[str] | None = None,
+             measure: bool = False, list_archs: bool = False, gpu_memory_bytes: int | None = None) -> PlanRun:
+    """Load the profile at ``path`` (with --set overrides) and plan, sweep or measure it."""
+    from orbitctl.plan import apply_changes, plan_profile, plan_sweep
+
+    if list_archs:
+        from orbitctl.arch import builtin_arch, builtin_names
+
+        return PlanRun(archs=[builtin_arch(n).summary() for n in builtin_names()])
+    if not path:
+        raise UserError("missing PROFILE", fix="give a profile YAML file, e.g. orbitctl plan profiles/tiny-cpu.yaml")
+    from orbitctl.profile import load_profile
+
+    profile = load_profile(path, list(overrides))
+    run = PlanRun(profile_name=profile.name)
+    if sweeps:
+        parsed = [parse_sweep(s) for s in sweeps]
+        for key, values in parsed:
+            for value in values:
+                apply_changes(profile, {key: value})  # a bad key or value fails before any planning
+        run.sweep = plan_sweep(profile, parsed, gpu_memory_bytes=gpu_memory_bytes)
+        run.usable_bytes = plan_profile(profile, gpu_memory_bytes=gpu_memory_bytes, with_advice=False).usable_bytes
+        return run
+    run.plan = plan_profile(profile, gpu_memory_bytes=gpu_memory_bytes)
+    if measure:
+        from orbitctl.plan.measure import calibrate, measure_profile
+
+        run.measurement = measure_profile(profile)
+        calibrate(run.plan, run.measurement)
+    return run
