@@ -61,7 +61,7 @@ def nccl_env(s: Snapshot, ctx: CheckContext) -> Outcome:
         warns.append("NCCL_DEBUG=TRACE slows every collective")
         fixes.append("export NCCL_DEBUG=WARN")
     if fails or warns:
-        return Outcome(FAIL if fails else WARN, fails + warns, "; ".join(fixes))
+        return Outcome(FAIL if fails and s.has_gpus else WARN, fails + warns, "; ".join(fixes))
     shown = [f"{k}={v}" for k, v in s.env.items() if k.startswith(("NCCL_", "TORCH_NCCL_"))]
     return Outcome(PASS, shown or ["no NCCL_* variables set (defaults)"])
 
@@ -91,7 +91,8 @@ def net_port(s: Snapshot, ctx: CheckContext) -> Outcome:
     if mp.port is None:
         return Outcome(UNKNOWN if not mp.error else FAIL, [mp.error or "MASTER_PORT not probed"], "export MASTER_PORT=29500")
     if mp.bindable is False:
-        return Outcome(FAIL, [f"port {mp.port} is in use ({mp.error})"],
+        # without GPUs this machine runs no NCCL job: a busy port is worth a warning, not a failure
+        return Outcome(FAIL if s.has_gpus else WARN, [f"port {mp.port} is in use ({mp.error})"],
                        f"Find and stop the stale job: ss -ltnp 'sport = :{mp.port}'; or pick another port: "
                        f"export MASTER_PORT={mp.port + 1}  (torchrun --master_port {mp.port + 1}, or --rdzv-endpoint localhost:0)")
     if mp.bindable is None:

@@ -141,3 +141,11 @@ def test_not_supported_field_is_skip():
         g.remapped_rows = None
         g.errors["remapped_rows"] = "not_supported"
     assert statuses(run_checks(snap))["ecc.remap"] == SKIP
+
+
+def test_no_gpu_machine_warns_instead_of_failing_on_nccl_settings():
+    snap = load_snapshot(SNAPSHOTS / "no_gpu.json")
+    snap.master_port.bindable = False
+    snap.env["NCCL_SOCKET_IFNAME"] = "eth9"
+    found = statuses(run_checks(snap))
+    assert found["net.port"] == WARN and found["nccl.env"] == WARN
