@@ -148,8 +148,10 @@ def numa_bind(s: Snapshot, ctx: CheckContext) -> Outcome:
     if (gone := no_gpu_outcome(s)) is not None:
         return gone
     all_cpus = {c for cpus in s.host.numa_nodes.values() for c in cpus}
-    if len(s.host.numa_nodes) <= 1:
-        return Outcome(PASS, [f"{len(s.host.numa_nodes) or 'one'} NUMA node: nothing to bind"])
+    if not s.host.numa_nodes:
+        return Outcome(UNKNOWN, ["/sys/devices/system/node not read"])
+    if len(s.host.numa_nodes) == 1:
+        return Outcome(PASS, ["one NUMA node: nothing to bind"])
     placements = []  # (gpu, who, cpus, mems)
     for g in s.nvml.gpus:
         for p in g.processes or []:
