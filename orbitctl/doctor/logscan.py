@@ -33,6 +33,8 @@ _LINE_START = re.compile(
     r"Traceback|File \"|[\w.-]+:\d+:\d+ \[\d+\]|\w+:\d+:\d+|\(\w+ pid=)")
 _PREFIX = re.compile(r"^(?:\[[^\]]{1,40}\]:)+\s*")
 _LAST_ERROR = re.compile(r"Last error:\s*(.*)$")
+# the launcher's summary of a child that failed: never the cause itself
+_LAUNCHER_ERRORS = {"ChildFailedError", "CalledProcessError", "ProcessRaisedException", "ProcessExitedException"}
 _EXC_LINE = re.compile(r"^(?:[\w.]+\.)?(?P<cls>\w*(?:Error|Exception))(?::\s?(?P<msg>.*))?$")
 
 
@@ -50,7 +52,8 @@ class Event:
 @dataclass
 class Scan:
     events: list[Event] = field(default_factory=list)
-    first_exception: tuple[int, str] | None = None
+    exceptions: list[tuple[int, int | None, str]] = field(default_factory=list)
+    """(line, rank, text) of Python exception lines after a traceback that no signature explains."""
     lines: int = 0
     truncated_chars: int = 0
 
@@ -152,10 +155,11 @@ def scan_lines(lines: list[str]) -> Scan:
                 pending_last_error = last_error_event
         if "Traceback (most recent call last)" in line:
             seen_traceback = True
-        elif seen_traceback and scan.first_exception is None and len(stripped) < 2000:
+        elif seen_traceback and len(scan.exceptions) < 50 and len(stripped) < 2000:
             body = _PREFIX.sub("", stripped)
-            if (m := _EXC_LINE.match(body)) and m.group("cls"):
-                scan.first_exception = (no, body[:300])
+            if (m := _EXC_LINE.match(body)) and m.group("cls") and m.group("cls") not in _LAUNCHER_ERRORS \
+                    and not match_line(body):
+                scan.exceptions.append((no, line_rank(line, pid_rank), body[:300]))
         rank = None
         rank_done = False
         seen_here: set[str] = set()

@@ -14,11 +14,13 @@ from typing import Any
 from orbitctl.doctor.findings import FAIL, INFO, WARN, Finding
 from orbitctl.doctor.logscan import Event, Scan, scan_lines, split_lines, unwrap
 from orbitctl.doctor.oom import FIX_BY_KIND, OomDetails, parse_oom
-from orbitctl.doctor.signatures import FAQ_OOM
+from orbitctl.doctor.signatures import BY_ID, FAQ_OOM
 from orbitctl.doctor.xid import classify_xid
 
 # Below this priority a finding is a consequence when a stronger cause is in the same log.
 CONSEQUENCE_PRIORITY = 50
+# An unexplained Python exception outranks peers exiting and timeouts, and nothing else.
+EXCEPTION_PRIORITY = 33
 OOM_TITLES = {"frag": "GPU out of memory: fragmentation", "cap": "GPU out of memory: the run needs more than the GPU has",
               "peer": "GPU out of memory: another process holds the memory", "unknown": "GPU out of memory"}
 MEMORY_IDS = ("log.oom.frag", "log.oom.cap", "log.oom.peer", "log.oom", "log.oom.raw", "log.ds.flush")
@@ -57,15 +59,20 @@ def triage_log(text: str, *, profile: Any = None) -> LogTriage:
     scan = scan_lines(lines)
     groups = _group(scan)
     out = LogTriage(lines=scan.lines)
-    if not groups:
-        if scan.first_exception:
-            no, body = scan.first_exception
-            f = Finding("log.exception", "log", WARN, "an exception no signature knows",
-                        [f"line {no}: {body}"], "Read the traceback above this line; rerun with ORBITCTL_DEBUG=1 if it is orbitctl's")
-            out.findings, out.root_cause = [f], f
-        return out
     causes = [g for g in groups.values() if g.severity != INFO]
     root = max(causes, key=lambda g: (g.priority, -g.first_line)) if causes else None
+    if scan.exceptions and (root is None or root.priority <= EXCEPTION_PRIORITY):
+        # a rank died of an ordinary Python error and the others then timed out: the error is the cause
+        no, rank, body = scan.exceptions[0]
+        severity = FAIL if root is not None else WARN
+        exc = Group("log.exception", "a rank raised an exception no signature knows", severity, EXCEPTION_PRIORITY,
+                    "Read the traceback above this line and fix that error; the NCCL messages after it follow from "
+                    "the rank that stopped")
+        exc.events.append(Event(BY_ID["nccl.err"], no, rank, body))
+        exc.evidence.append(f"line {no}: {body}")
+        groups[exc.id] = root = exc
+    if not groups:
+        return out
     if root is not None and root.id in MEMORY_IDS and profile is not None:
         _add_plan_advice(root, profile)
     ordered = sorted(groups.values(), key=lambda g: (g is not root, -g.priority, g.first_line))

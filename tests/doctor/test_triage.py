@@ -50,6 +50,7 @@ EXPECTED = {
     "nccl_dupgpu": ("log.nccl.dupgpu", None, {"log.nccl.usage"}),
     "cuda_err": ("log.cuda.err", 7, set()),
     "ddp_unused": ("log.ddp.unused", 0, set()),
+    "exception_then_timeouts": ("log.exception", 5, {"log.nccl.timeout"}),
     "nccl_desync": ("log.nccl.desync", 1, set()),
     "nccl_abort": ("log.nccl.remote", 2, {"log.nccl.abort"}),
     "nccl_sock": ("log.nccl.sock", None, set()),
