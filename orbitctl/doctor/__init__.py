@@ -70,7 +70,13 @@ def read_log(path: str) -> str:
             raise InputFileError(f"{path}: log file not found", fix="Pass the run's log file, or - to read stdin")
         try:
             with file.open("rb") as fh:
-                data = fh.read(MAX_LOG_BYTES)
+                size = file.stat().st_size
+                if size <= MAX_LOG_BYTES:
+                    data = fh.read()
+                else:  # the start (setup) and the end (where runs die) of a huge log
+                    head = fh.read(MAX_LOG_BYTES // 8)
+                    fh.seek(size - (MAX_LOG_BYTES - len(head)))
+                    data = head + b"\n" + fh.read()
         except OSError as exc:
             raise InputFileError(f"{path}: cannot read log ({exc.strerror})", fix="Check the path and its permissions") from exc
     return data.decode("utf-8", errors="replace")

@@ -94,3 +94,11 @@ def test_docs_list_every_check_and_signature():
     text = (Path(__file__).parents[2] / "docs" / "doctor.md").read_text()
     missing = [i for i in check_ids() + [s.id for s in SIGNATURES] if f"`{i}`" not in text]
     assert missing == []
+
+
+def test_huge_log_keeps_its_end(tmp_path, monkeypatch):
+    monkeypatch.setattr(doctor_lib, "MAX_LOG_BYTES", 4096)
+    log = tmp_path / "big.log"
+    log.write_text("step ok\n" * 5000 + "RuntimeError: Error 802: system not yet initialized\n")
+    text = doctor_lib.read_log(str(log))
+    assert len(text) <= 4096 + 1 and text.startswith("step ok") and "system not yet initialized" in text
