@@ -84,7 +84,7 @@ SIGNATURES: list[Signature] = [
          r"Could not load bitsandbytes native library|libbitsandbytes_cuda\d+\S{0,20}\.so: cannot open shared object",
          ("cuda setup", "bitsandbytes", "libbitsandbytes"), "bitsandbytes cannot find a CUDA build matching this torch/CUDA",
          "pip install -U bitsandbytes; then `python -m bitsandbytes`; unset BNB_CUDA_VERSION unless you mean it; make "
-         "sure LD_LIBRARY_PATH holds the libcudart that torch uses", priority=88),
+         "sure LD_LIBRARY_PATH holds the libcudart that torch uses", priority=74),
     _sig("nccl.ver", r"Mismatched NCCL version detected : rank (?P<r1>\d+) version (?P<v1>\d+) rank (?P<r2>\d+) version (?P<v2>\d+)|"
          r"Mismatched NCCL version detected", ("mismatched nccl",), "ranks load different NCCL libraries",
          "Run every rank from one environment (same image/venv); unset LD_LIBRARY_PATH/LD_PRELOAD entries pointing at another "

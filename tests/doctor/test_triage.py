@@ -223,3 +223,9 @@ def test_blocking_wait_timeout_and_capitalised_progress():
     found = {f.id: f for f in triage_log(text).findings}
     assert found["log.nccl.timeout"].data["first"]["seq"] == 2521
     assert found["log.nccl.timeout"].data["first"]["op"] == "ALLREDUCE"
+
+
+def test_bitsandbytes_warning_does_not_hide_a_later_oom():
+    text = ("UserWarning: The installed version of bitsandbytes was compiled without GPU support. 8-bit optimizers are "
+            "unavailable.\n" + (LOGS / "oom_current_cap.log").read_text())
+    assert triage_log(text).root_cause.id == "log.oom.cap"
