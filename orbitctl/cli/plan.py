@@ -53,11 +53,18 @@ def plan(
     else:
         _render(result)
     if not result.ok:
-        raise typer.Exit(1)
+        from orbitctl.errors import CheckFailed
+
+        raise CheckFailed(result.failure(), fix="Apply one of the advice lines (--set KEY=VALUE) and plan again")
 
 
 def _gib(n: float) -> str:
     return f"{n / GiB:.2f}"
+
+
+def _line(markup: str) -> None:
+    """One line, never wrapped: verdicts and --set flags must stay copy-pasteable."""
+    output.stdout.print(markup, soft_wrap=True, highlight=False)
 
 
 def _render(result) -> None:
@@ -80,17 +87,17 @@ def _render(result) -> None:
     table.add_row("total", *(_gib(plan.phase_peak_bytes[p]) for p in PHASES))
     output.show(table)
     color = "green" if plan.fits and not plan.tight else ("yellow" if plan.fits else "red")
-    output.show(f"[{color}]{plan.verdict()}[/{color}]")
-    output.show(f"params: {plan.params_total / 1e9:.1f} B total, {plan.params_active / 1e9:.1f} B active, "
-                f"{plan.params_trainable / 1e6:.1f} M trainable; largest micro-batch that fits: {plan.max_micro_batch}; "
-                f"host RAM {_gib(plan.host_bytes)} of {_gib(plan.host_capacity_bytes)} GiB per node")
+    _line(f"[{color}]{plan.verdict()}[/{color}]")
+    _line(f"params: {plan.params_total / 1e9:.1f} B total, {plan.params_active / 1e9:.1f} B active, "
+          f"{plan.params_trainable / 1e6:.1f} M trainable; largest micro-batch that fits: {plan.max_micro_batch}; "
+          f"host RAM {_gib(plan.host_bytes)} of {_gib(plan.host_capacity_bytes)} GiB per node")
     for note in plan.notes:
-        output.show(f"note: {note}")
+        _line(f"note: {note}")
     if plan.advice:
-        output.show("advice:")
+        _line("advice:")
         for i, advice in enumerate(plan.advice, 1):
             flags = " ".join(f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in advice.change.items())
-            output.show(f"  {i}. {advice.text}   [dim]{flags}[/dim]")
+            _line(f"  {i}. {advice.text}   [dim]{flags}[/dim]")
     if result.measurement is not None:
         output.show(_measure_table(result.measurement))
 

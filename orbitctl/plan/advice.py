@@ -90,12 +90,38 @@ def advise(profile, plan: MemoryPlan, arch, replan: Callable[[dict[str, Any]], M
     if plan.fits and not plan.tight and plan.max_micro_batch <= profile.memory.micro_batch_size:
         return []
     advice: list[Advice] = []
-    for change, text in _candidates(profile, plan, arch):
+    candidates = _candidates(profile, plan, arch)
+    for change, text in candidates:
         other = replan(change)
         if other is None:
             continue
         if other.fits or other.peak_bytes < plan.peak_bytes:
-            advice.append(Advice(change, f"{text}: peak {other.peak_bytes / 2**30:.1f} GiB"
-                                         f" ({'fits' if other.fits else 'still over'})", other.peak_bytes, other.fits))
+            advice.append(_advice(change, text, other))
+    if not plan.fits and not any(a.fits for a in advice):
+        combined = _combine(candidates, plan, replan)
+        if combined is not None:
+            advice.append(combined)
     order = {id(a): i for i, a in enumerate(advice)}
     return sorted(advice, key=lambda a: (not a.fits, order[id(a)] if a.fits else a.peak_bytes))
+
+
+def _advice(change: dict[str, Any], text: str, other: MemoryPlan) -> Advice:
+    return Advice(change, f"{text}: peak {other.peak_bytes / 2**30:.1f} GiB ({'fits' if other.fits else 'still over'})",
+                  other.peak_bytes, other.fits)
+
+
+def _combine(candidates, plan: MemoryPlan, replan) -> Advice | None:
+    """No single change fits: take changes in order, keeping each that lowers the peak, until it fits."""
+    change: dict[str, Any] = {}
+    texts: list[str] = []
+    best = plan
+    for step, text in candidates:
+        trial = replan({**change, **step})
+        if trial is not None and trial.peak_bytes < best.peak_bytes:
+            change, best = {**change, **step}, trial
+            texts.append(text)
+            if trial.fits:
+                break
+    if len(texts) < 2:
+        return None
+    return _advice(change, "together: " + "; ".join(texts), best)

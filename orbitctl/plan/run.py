@@ -26,6 +26,12 @@ class PlanRun:
             return any(row["fits"] for row in self.sweep)
         return bool(self.plan.fits)
 
+    def failure(self) -> str:
+        """One line saying why the exit status is 1."""
+        if self.sweep is not None:
+            return f"no swept combination fits in {self.usable_bytes / 2**30:.1f} GiB per GPU"
+        return f"{self.profile_name}: {self.plan.verdict()}"
+
     def to_dict(self) -> dict:
         if self.archs is not None:
             return {"archs": self.archs}
