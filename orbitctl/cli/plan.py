@@ -125,9 +125,9 @@ def _sweep_table(rows, usable):
     keys = list(rows[0]["values"]) if rows else []
     table = Table(title=f"sweep (GiB per GPU, limit {_gib(usable)})", title_justify="left")
     for k in keys:
-        table.add_column(k)
+        table.add_column(k.rsplit(".", 1)[-1], overflow="fold")  # the section is in the --sweep flag
     for col in ("peak", "phase", "util", "fits", "max mb"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", overflow="fold")
     for row in rows:
         table.add_row(*(str(row["values"][k]) for k in keys), _gib(row["peak_bytes"]), row["peak_phase"],
                       f"{row['utilization']:.0%}", "yes" if row["fits"] else "[red]no[/red]", str(row["max_micro_batch"]))
