@@ -158,8 +158,9 @@ def train_activations(arch: ArchSpec, ad: AdapterPlan, st: ActivationSettings) -
     per_layer = []
     for layer in arch.layers:
         key = id(layer.weights)
-        # identical layers have identical saved tensors unless the adapter choice differs by layer
-        if key not in cache or not isinstance(layer.weights, tuple):
+        # layers sharing one weights tuple have the same shapes and, since targets select by
+        # name, the same adapted modules
+        if key not in cache:
             cache[key] = layer_activations(arch, layer, ad, st)
         per_layer.append(cache[key])
     final_norm = (4 * h + 4) * t

@@ -62,7 +62,7 @@ def plan_adapters(arch: ArchSpec, adapter) -> AdapterPlan:
     threshold = 10 * h  # stage3_param_persistence_threshold as the HF integration sets it
     if adapter.kind == "bottleneck":
         # down [r, h] + bias [r], up [h, r] + bias [h], after every layer's MLP
-        matrices = [r_h for r_h in (rank * h, rank, h * rank, h)]
+        matrices = [rank * h, rank, h * rank, h]
         per_layer = sum(matrices)
         persistent = sum(m for m in matrices if m < threshold) * arch.num_layers
         return AdapterPlan("bottleneck", rank, per_layer * arch.num_layers, per_layer, persistent,

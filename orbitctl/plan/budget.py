@@ -79,7 +79,7 @@ def _kv_cache(profile, arch: ArchSpec, mb: int) -> tuple[float, int]:
     return seqs * context * per_token * replication, seqs
 
 
-def _rollout_working(profile, arch: ArchSpec, inp: Inputs, seqs: int) -> float:
+def _rollout_working(profile, arch: ArchSpec, seqs: int) -> float:
     """No-grad prefill of the prompts (one layer's intermediates) plus sampling logits."""
     prompt = max(1, profile.memory.seq_len - profile.rollout.max_new_tokens)
     tokens = seqs * prompt
@@ -147,7 +147,7 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
 
     # ---- rollout ----------------------------------------------------------------------------
     kv, seqs = _kv_cache(profile, arch, mb)
-    rollout_work = _rollout_working(profile, arch, inp, seqs)
+    rollout_work = _rollout_working(profile, arch, seqs)
     separate = ro.engine == "separate"
     engine = storage.total_bytes / ro.engine_tp if separate else 0.0
     if not separate and mem.zero_stage == 3 and world > 1:
