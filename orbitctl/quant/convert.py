@@ -94,21 +94,44 @@ def quantize_checkpoint(
     state = prepare_output(out, plan)
     if state.complete:
         return _result(ckpt, out, plan, state.report, resumed=len(plan["shards"]), started=started)
+    with _torch_threads(1):  # two converter threads, one core each
+        records = _write_shards(ckpt, out, plan, state, opts, passthrough, progress)
+    report = finish_output(ckpt, out, plan, records, opts, passthrough, eval_prompts)
+    return _result(ckpt, out, plan, report, resumed=len(state.done), started=started)
+
+
+def _write_shards(ckpt: Checkpoint, out: Path, plan: dict, state, opts: ConvertOptions, passthrough: bool,
+                  progress: ProgressFn | None) -> list[dict]:
     total = ckpt.source_bytes()
     done_bytes = 0
     records = []
     for shard in plan["shards"]:
         record = state.done.get(shard["file"])
         if record is None:
-            record = write_shard(ckpt, out, shard, opts, passthrough, lambda n: progress and progress(done_bytes + n, total))
+            record = write_shard(ckpt, out, shard, opts, passthrough, plan["moe"], lambda n: progress and progress(done_bytes + n, total))
             mf.append_progress(out, record)
             _pause_for_tests()
         records.append(record)
         done_bytes += shard["source_bytes"]
         if progress:
             progress(done_bytes, total)
-    report = finish_output(ckpt, out, plan, records, opts, passthrough, eval_prompts)
-    return _result(ckpt, out, plan, report, resumed=len(state.done), started=started)
+    return records
+
+
+class _torch_threads:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __enter__(self) -> None:
+        import torch
+
+        self.before = torch.get_num_threads()
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        torch.set_num_threads(self.before)
 
 
 def _options(fmt, group_size, double_quant, storage_dtype, modules, skip, max_shard_bytes, compute_dtype) -> ConvertOptions:
@@ -215,57 +238,73 @@ def _spec_bytes(spec: tuple[str, str, tuple]) -> int:
     return n * _SIZES.get(spec[1], 1)
 
 
-def write_shard(ckpt: Checkpoint, out: Path, shard: dict, opts: ConvertOptions, passthrough: bool,
+def write_shard(ckpt: Checkpoint, out: Path, shard: dict, opts: ConvertOptions, passthrough: bool, moe: bool,
                 on_bytes: Callable[[int], None]) -> dict:
-    """Write one output shard (temp name, fsync, rename) and return its progress record."""
-    import torch
+    """Write one output shard (temp name, fsync, rename) and return its progress record.
 
-    moe_flag = any(module_kind(n) == "experts" for n in ckpt.entries)
-    specs = [s for n in shard["tensors"] for s in planned_outputs(ckpt, n, opts, passthrough, moe_flag)]
+    Two tensors are converted at a time on worker threads (torch releases the GIL), and
+    written in plan order, so the bytes do not depend on which finishes first.
+    """
+    specs = [s for n in shard["tensors"] for s in planned_outputs(ckpt, n, opts, passthrough, moe)]
     final = out / shard["file"]
     tmp = out / (shard["file"] + mf.PARTIAL_SUFFIX)
     writer = ShardWriter(tmp, header_reserve(specs))
     quantized, kept, names, read_bytes = [], [], [], 0
-    handles: dict[Path, object] = {}
     try:
-        for name in shard["tensors"]:
-            entry = ckpt.entries[name]
-            handle = handles.get(entry.file) or handles.setdefault(entry.file, entry.file.open("rb"))
-            tensor = ckpt.read(name, None if passthrough else handle) if not passthrough else _raw(ckpt, name, handle)
-            reason = tensor_decision(ckpt, name, opts, passthrough, moe_flag)
-            if reason is None:
-                stored = quantize_weight(name, tensor, opts.spec)
-                restored = dequantize_weight(name, stored, opts.spec.fmt, dtype=torch.float32)
-                bytes_out = sum(v.numel() * v.element_size() for v in stored.values())
-                quantized.append(tensor_stats(name, module_kind(name), tensor, restored, _source_bytes(ckpt, name), bytes_out))
-                del restored
-                for key, value in stored.items():
-                    writer.add(key, value)
-                    names.append(key)
-            else:
-                writer.add(name, tensor)
-                names.append(name)
-                kept.append({"name": name, "kind": module_kind(name), "reason": reason, "dtype": DTYPE_NAMES[tensor.dtype],
-                             "params": tensor.numel(), "bytes_out": tensor.numel() * tensor.element_size()})
-            del tensor
-            read_bytes += _source_bytes(ckpt, name) if not passthrough else entry.nbytes
+        for stored, row, source_bytes in _converted(ckpt, shard["tensors"], opts, passthrough, moe):
+            for key, value in stored.items():
+                writer.add(key, value)
+                names.append(key)
+            (quantized if "rel_fro_error" in row else kept).append(row)
+            del stored
+            read_bytes += source_bytes
             on_bytes(read_bytes)
         writer.close()
     except BaseException:
         writer.abort()
         raise
-    finally:
-        for h in handles.values():
-            h.close()
+    sha256 = mf.sha256_file(tmp)
     os.replace(tmp, final)
-    return {"shard": shard["file"], "sha256": mf.sha256_file(final), "bytes": final.stat().st_size,
+    return {"shard": shard["file"], "sha256": sha256, "bytes": final.stat().st_size,
             "tensors": sorted(names), "quantized": quantized, "kept": kept}
 
 
-def _raw(ckpt: Checkpoint, name: str, handle):
+def _converted(ckpt: Checkpoint, names: list[str], opts: ConvertOptions, passthrough: bool, moe: bool):
+    """(stored tensors, report row, source bytes) per source tensor, in order, at most two in flight."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        pending = []
+        for name in names:
+            pending.append(pool.submit(convert_tensor, ckpt, name, opts, passthrough, moe))
+            if len(pending) == 2:
+                yield pending.pop(0).result()
+        for future in pending:
+            yield future.result()
+
+
+def convert_tensor(ckpt: Checkpoint, name: str, opts: ConvertOptions, passthrough: bool, moe: bool) -> tuple[dict, dict, int]:
+    """Read one source tensor and return what it is stored as, with its report row."""
     from orbitctl.quant.safetensors_io import read_tensor
 
-    return read_tensor(ckpt.entries[name], handle)
+    entry = ckpt.entries[name]
+    if passthrough:
+        tensor = read_tensor(entry)
+        return {name: tensor}, _kept_row(name, tensor, "already quantized: copied as is"), entry.nbytes
+    tensor = ckpt.read(name)
+    reason = tensor_decision(ckpt, name, opts, passthrough, moe)
+    if reason is not None:
+        return {name: tensor}, _kept_row(name, tensor, reason), _source_bytes(ckpt, name)
+    stored = quantize_weight(name, tensor, opts.spec)
+    restored = dequantize_weight(name, stored, opts.spec.fmt, dtype=tensor.dtype)
+    bytes_out = sum(v.numel() * v.element_size() for v in stored.values())
+    row = tensor_stats(name, module_kind(name), tensor, restored, _source_bytes(ckpt, name), bytes_out)
+    return stored, row, _source_bytes(ckpt, name)
+
+
+def _kept_row(name: str, tensor, reason: str) -> dict:
+    return {"name": name, "kind": module_kind(name), "reason": reason, "dtype": DTYPE_NAMES[tensor.dtype],
+            "params": tensor.numel(), "bytes_out": tensor.numel() * tensor.element_size()}
 
 
 def _source_bytes(ckpt: Checkpoint, name: str) -> int:

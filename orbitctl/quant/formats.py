@@ -124,11 +124,10 @@ def _bnb_storage(spec: FormatSpec) -> torch.dtype:
 
 
 def quantize_bnb(name: str, weight: torch.Tensor, spec: FormatSpec) -> dict[str, torch.Tensor]:
-    import bitsandbytes.functional as bnbf
+    from orbitctl.quant.bnb4 import quantize_4bit
 
-    packed, state = bnbf.quantize_4bit(weight.to(torch.bfloat16), blocksize=spec.group_size,
-                                       compress_statistics=spec.double_quant, quant_type=spec.fmt,
-                                       quant_storage=_bnb_storage(spec))
+    packed, state = quantize_4bit(weight.to(torch.bfloat16), blocksize=spec.group_size, double_quant=spec.double_quant,
+                                  quant_type=spec.fmt, quant_storage=_bnb_storage(spec))
     out = {name: packed}
     for key, value in state.as_dict(packed=True).items():
         out[f"{name}.{key}"] = value

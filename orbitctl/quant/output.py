@@ -78,7 +78,8 @@ def finish_output(ckpt, out: Path, plan: dict, records: list[dict], opts, passth
     if eval_prompts > 0:
         report["eval"] = compare_next_token(str(ckpt.path), str(out), eval_prompts)
     mf.write_json_atomic(out / mf.REPORT_NAME, report)
-    files = {p.name: {"sha256": mf.sha256_file(p), "bytes": p.stat().st_size}
+    shard_hashes = {r["shard"]: {"sha256": r["sha256"], "bytes": r["bytes"]} for r in records}  # hashed when written
+    files = {p.name: shard_hashes.get(p.name) or {"sha256": mf.sha256_file(p), "bytes": p.stat().st_size}
              for p in sorted(out.iterdir()) if p.is_file() and not p.name.startswith(".") and p.name != mf.MANIFEST_NAME}
     manifest = {
         "version": mf.MANIFEST_VERSION,

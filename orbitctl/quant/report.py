@@ -14,19 +14,24 @@ import math
 import torch
 
 SUMMARY_KINDS = ("attention", "mlp", "shared_experts", "experts", "lm_head")
+STATS_CHUNK = 1 << 15
 
 
 def tensor_stats(name: str, kind: str, original: torch.Tensor, restored: torch.Tensor, bytes_in: int, bytes_out: int) -> dict:
     """Error of one quantized weight against the weight it came from."""
     err_sq = ref_sq = max_abs = 0.0
-    # row chunks keep the float32 transients small next to the weight itself
-    for r in range(0, original.shape[0], 1024):
-        w = original[r:r + 1024].float()
-        err = restored[r:r + 1024].float() - w
-        err_sq += float((err * err).sum())
-        ref_sq += float((w * w).sum())
-        if err.numel():
-            max_abs = max(max_abs, float(err.abs().max()))
+    flat_w, flat_r = original.reshape(-1), restored.reshape(-1)
+    err = torch.empty(min(STATS_CHUNK, flat_w.numel()), dtype=torch.float32)
+    # cache-sized chunks: the float32 error never exists for the whole matrix
+    for s in range(0, flat_w.numel(), STATS_CHUNK):
+        w = flat_w[s:s + STATS_CHUNK]
+        e = err[: w.numel()]
+        e.copy_(flat_r[s:s + STATS_CHUNK])
+        e.sub_(w)  # in float32: a bf16 difference would round away the error being measured
+        err_sq += float(torch.dot(e, e))
+        ref_sq += float(torch.linalg.vector_norm(w, dtype=torch.float32)) ** 2
+        lo, hi = torch.aminmax(e)
+        max_abs = max(max_abs, -float(lo), float(hi))
     return {
         "name": name, "kind": kind, "shape": list(original.shape), "params": original.numel(),
         "bytes_in": bytes_in, "bytes_out": bytes_out,
