@@ -14,8 +14,8 @@ input, so only adapted modules keep theirs):
   adapted module; dropout adds ``3 d_in`` (copy + mask) per module, fp32 adapters ``4 d_in``.
 
 With per-layer checkpointing only each layer's bf16 input ``2h`` stays; backward then
-recomputes one layer and holds its saved tensors plus the gradients of its largest block
-(about one block's saved size). Logits: the fp32 log-softmax output ``4V`` stays after the
+recomputes one layer and holds its saved tensors plus the gradients of its block (about one
+block's saved size; for MoE at least the routed copies' weighted-output gradients). Logits: the fp32 log-softmax output ``4V`` stays after the
 forward and ``12V`` are live when the loss backward starts; a chunked loss bounds that to
 the chunk. The no-grad log-prob passes RL adds (reference, old policy) peak at ``10V``.
 """
@@ -140,8 +140,15 @@ def layer_activations(arch: ArchSpec, layer: Layer, ad: AdapterPlan, st: Activat
         mlp += _lora_inputs(arch, layer, ad, (MLP,), st)
     if ad.kind == "bottleneck":
         mlp += 2 * h + 2 * ad.rank  # MLP output into down, relu output into up
+    mlp_grads = mlp - norm
+    if layer.moe:
+        # the expert outputs are weighted and un-permuted in the routing weights' dtype (fp32 for
+        # DeepSeek/Kimi routers): backward starts with that gradient, its un-permuted copy and
+        # the bf16 expert-output gradient for every routed copy
+        weight_bytes = 4 if arch.attention == "mla" else 2
+        mlp_grads = max(mlp_grads, arch.experts_per_token * h * (2 * weight_bytes + 2))
     return LayerActivations(saved=attn + mlp, attention_saved=attn, attention_block=attn - norm,
-                            mlp_block=mlp - norm, materialized=materialized)
+                            mlp_block=mlp_grads, materialized=materialized)
 
 
 def logits_peak(arch: ArchSpec, st: ActivationSettings, *, grad: bool = True) -> float:
