@@ -24,6 +24,8 @@ _RANK_RES = (
     re.compile(r"\[(?:PG[^\]]{0,80}?)?Rank (\d{1,5})\]"),
     re.compile(r"^\s*[Rr]ank ?(\d{1,5})\s?:"),
     re.compile(r"--local_rank=(\d{1,5})"),
+    re.compile(r"\brank=(\d{1,5})\b"),  # vLLM workers: "(VllmWorker rank=3 pid=1090)"
+    re.compile(r"\blocal_rank: (\d{1,5}) \(pid"),  # torchrun: "failed (exitcode: -9) local_rank: 3 (pid: 812917)"
 )
 _NCCL_PID = re.compile(r"(?:^|\s)[\w.-]+:(\d+):\d+ \[\d+\] NCCL")
 _NCCL_RANK_OF_PID = re.compile(r"(?:^|\s)[\w.-]+:(\d+):\d+ \[\d+\] NCCL INFO .{0,120}?\brank (\d+) nranks")
@@ -32,6 +34,7 @@ _LINE_START = re.compile(
     r"^\s*(?:\[\d+\]\s*)?(?:\[rank\d+\]|\[default\d+\]|\[\d+,\d+\]<|\[?\d{4}-\d\d-\d\d|[EWIF]\d{4} |\[[EWIF]\d{0,4} |"
     r"Traceback|File \"|[\w.-]+:\d+:\d+ \[\d+\]|\w+:\d+:\d+|\(\w+ pid=)")
 _PREFIX = re.compile(r"^(?:\[[^\]]{1,40}\]:)+\s*")
+_ANSI = re.compile(r"\x1b\[[0-9;?]{0,20}[A-Za-z]")
 _LAST_ERROR = re.compile(r"Last error:\s*(.*)$")
 # the launcher's summary of a child that failed: never the cause itself
 _LAUNCHER_ERRORS = {"ChildFailedError", "CalledProcessError", "ProcessRaisedException", "ProcessExitedException"}
@@ -60,6 +63,8 @@ class Scan:
 
 def split_lines(text: str) -> list[str]:
     """Lines, also splitting on carriage returns (progress bars) and on literal '\\n' in huge escaped lines."""
+    if "\x1b" in text:  # terminal colours pasted with the log would split words the regexes look for
+        text = _ANSI.sub("", text)
     lines: list[str] = []
     for raw in text.split("\n"):
         for part in raw.split("\r"):
@@ -84,7 +89,9 @@ def unwrap(lines: list[str]) -> list[str]:
     out: list[str] = []
     joining = False
     for ln in lines:
-        if joining and not _LINE_START.match(ln):
+        # records that merely share a length ("Sending process 484376 closing signal SIGTERM" x 7)
+        # start alike; a wrapped piece does not start like the record it continues
+        if joining and not _LINE_START.match(ln) and ln[:6] != out[-1][:6]:
             out[-1] += ln
         else:
             out.append(ln)

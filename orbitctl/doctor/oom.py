@@ -49,6 +49,8 @@ class OomDetails:
     reserved_unallocated: int | None = None
     private_pools: int | None = None
     this_process: int | None = None
+    allowed: int | None = None
+    """The process's own cap (torch.cuda.set_per_process_memory_fraction), when the message states one."""
     peers: dict[int, int] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
 
@@ -72,8 +74,11 @@ def parse_oom(text: str) -> OomDetails:
     if m := OOM_PARTS["oom.req"].search(text):
         d.request = parse_size(m.group("req"))
     if m := OOM_PARTS["oom.cap"].search(text):
-        d.gpu, d.total, d.free = int(m.group("g")), parse_size(m.group("tot")), parse_size(m.group("free"))
+        d.gpu = int(m.group("g")) if m.group("g") else None
+        d.total, d.free = parse_size(m.group("tot")), parse_size(m.group("free"))
         d.form = "2.1" if "capacty" in m.group(0) else "current"
+        if m2 := OOM_PARTS["oom.allowed"].search(text):
+            d.allowed = parse_size(m2.group("allowed"))
         if m2 := OOM_PARTS["oom.frag"].search(text):
             d.reserved_unallocated = parse_size(m2.group("un"))
         if m2 := OOM_PARTS["oom.alloc"].search(text):
@@ -95,6 +100,7 @@ def parse_oom(text: str) -> OomDetails:
             d.reserved_unallocated = max(0, reserved - d.allocated)
             d.this_process = reserved
     _own_pid_listed_as_peer(d)
+    _apply_process_cap(d)
     if "HIP out of memory" in text:
         d.form = "hip"
     decide(d)
@@ -114,6 +120,25 @@ def _own_pid_listed_as_peer(d: OomDetails) -> None:
     if size >= reserved:
         d.this_process = d.peers.pop(pid)
         d.reasons.append(f"pid {pid} holds everything PyTorch reserved: it is this process (PID namespace)")
+
+
+def _apply_process_cap(d: OomDetails) -> None:
+    """Under a memory fraction the process's cap, not the GPU, is the capacity it ran out of.
+
+    'GPU 0 has a total capacity of 288 GiB of which 276 GiB is free. 1.05 GiB allowed;' is a
+    full cap, not free memory that is fragmented: the cap becomes the total and what PyTorch
+    has reserved comes out of it.
+    """
+    if d.allowed is None or d.total is None or d.allowed >= d.total:
+        return
+    reserved = (d.allocated or 0) + (d.reserved_unallocated or 0)
+    d.reasons.append(f"the process is capped at {_g(d.allowed)} of the GPU's {_g(d.total)} "
+                     "(set_per_process_memory_fraction)")
+    # what is left under the cap is smaller than the allocator's next segment (2 or 20 MiB) whenever
+    # the cap was hit, so it is no evidence of fragmentation: only reserved-but-unallocated is
+    d.reasons.append(f"PyTorch has reserved {_g(reserved)} of it")
+    d.total, d.free = d.allowed, None
+    d.peers.clear()  # other processes' memory lies outside the cap
 
 
 def decide(d: OomDetails) -> None:

@@ -48,7 +48,8 @@ def _sig(sid: str, regex: str, needles: tuple[str, ...], cause: str, fix: str, s
 
 SIGNATURES: list[Signature] = [
     # hardware and platform
-    _sig("xid", r"NVRM: Xid \((?P<dev>[^)]{1,40})\): (?P<xid>\d{1,4})\b|GPU has fallen off the bus|fallen off the bus",
+    _sig("xid", r"NVRM: Xid \((?P<dev>[^)]{1,40})\): (?P<xid>\d{1,4})\b(?:[^\n]{0,200}?caused by previous Xid (?P<prev>\d{1,4}))?|"
+         r"GPU has fallen off the bus|fallen off the bus",
          ("xid", "fallen off"), "NVIDIA driver fault (Xid)", "See the Xid's own fix", priority=100),
     _sig("cuda.ecc", r"uncorrectable ECC error encountered|cudaErrorECCUncorrectable", ("ecc",),
          "double-bit (uncorrectable) ECC error", "Drain the node, reset the GPU (sudo nvidia-smi -r -i <gpu>); RMA if it repeats",
@@ -81,8 +82,9 @@ SIGNATURES: list[Signature] = [
     _sig("bnb", r"CUDA Setup failed despite (?:GPU|CUDA) being available|Could not find the bitsandbytes CUDA binary|"
          r"bitsandbytes was compiled without GPU support|libbitsandbytes_cpu\.so: undefined symbol|"
          r"Required library version not found: libbitsandbytes|CUDA SETUP: CUDA detection failed|"
-         r"Could not load bitsandbytes native library|libbitsandbytes_cuda\d+\S{0,20}\.so: cannot open shared object",
-         ("cuda setup", "bitsandbytes", "libbitsandbytes"), "bitsandbytes cannot find a CUDA build matching this torch/CUDA",
+         r"Could not load bitsandbytes native library|libbitsandbytes_cuda\d+\S{0,20}\.so: cannot open shared object|"
+         r"CUDA_SETUP: WARNING! libcudart\.so not found",
+         ("cuda setup", "cuda_setup", "bitsandbytes", "libbitsandbytes"), "bitsandbytes cannot find a CUDA build matching this torch/CUDA",
          "pip install -U bitsandbytes; then `python -m bitsandbytes`; unset BNB_CUDA_VERSION unless you mean it; make "
          "sure LD_LIBRARY_PATH holds the libcudart that torch uses", priority=74),
     _sig("nccl.ver", r"Mismatched NCCL version detected : rank (?P<r1>\d+) version (?P<v1>\d+) rank (?P<r2>\d+) version (?P<v2>\d+)|"
@@ -92,7 +94,7 @@ SIGNATURES: list[Signature] = [
     # memory
     _sig("oom", r"(?:CUDA|HIP) out of memory|OutOfMemoryError", ("out of memory", "outofmemoryerror"),
          "GPU out of memory (allocator)", FAQ_OOM, priority=80),
-    _sig("oom.raw", r"CUBLAS_STATUS_ALLOC_FAILED|CUDA error: out of memory|Cuda failure (?:2 )?'out of memory'|"
+    _sig("oom.raw", r"CUBLAS_STATUS_ALLOC_FAILED|CUDA [Ee]rror: out of memory|Cuda failure (?:2 )?'out of memory'|"
          r"cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY|Failed to CUDA calloc|"
          r"CUBLAS_STATUS_NOT_INITIALIZED when calling `?cublasCreate|OOM when allocating tensor|RESOURCE_EXHAUSTED: Out of memory",
          ("alloc_failed", "out of memory", "memoryallocation", "out_of_memory", "cuda calloc", "not_initialized",
@@ -151,7 +153,8 @@ SIGNATURES: list[Signature] = [
          "/dev/shm too small or full", "docker run --shm-size=16g ... (Kubernetes: emptyDir medium: Memory on /dev/shm); "
          "rm -f /dev/shm/nccl-*; or export NCCL_SHM_DISABLE=1", priority=72, supersedes=("nccl.cudaf",)),
     _sig("nccl.if", r"no socket interface found|No usable listening interface|Bootstrap : no \S+ interface found|"
-         r"NCCL_SOCKET_IFNAME\S* \S* ?not found|is neither AF_INET|[Nn]o (?:usable )?(?:socket |listening )?interface found", ("interface", "af_inet"),
+         r"NCCL_SOCKET_IFNAME\S* \S* ?not found|is neither AF_INET|[Nn]o (?:usable )?(?:socket |listening )?interface found|"
+         r"Socket creation failed : Address family not supported", ("interface", "af_inet", "address family not supported"),
          "NCCL found no usable network interface (NCCL_SOCKET_IFNAME wrong)",
          "List interfaces with `ip -br addr`; export NCCL_SOCKET_IFNAME=<iface> (one node: export NCCL_SOCKET_IFNAME=lo)",
          priority=72),
@@ -219,8 +222,8 @@ SIGNATURES: list[Signature] = [
          ("got stuck", "heartbeat monitor timed out"), "the NCCL watchdog itself hung (a CUDA/NCCL API call blocked)",
          "Check the kernel log for Xid; py-spy dump -n -p <pid>; raise TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC only if it is a "
          "false alarm", priority=18),
-    _sig("nccl.timeout", r"Watchdog caught collective operation timeout: WorkNCCL\((?P<a>.{0,400}?)\) ran for (?P<ms>\d+) "
-         r"milliseconds|Work WorkNCCL\((?P<a2>.{0,400}?)\) timed out in blocking wait", ("watchdog caught", "blocking wait"),
+    _sig("nccl.timeout", r"Watchdog caught collective operation timeout: WorkNCCL\((?P<a>.{0,400}?)(?:\) ran for (?P<ms>\d+) "
+         r"milliseconds|$)|Work WorkNCCL\((?P<a2>.{0,400}?)\) timed out in blocking wait", ("watchdog caught", "blocking wait"),
          "a collective timed out: one rank did not join it (crashed, hung, or desynchronised)", FAQ_COMM, priority=20),
     _sig("nccl.pg", r"[Ll]ast enqueued (?:NCCL )?work: (?P<enq>-?\d+), last completed (?:NCCL )?work: (?P<done>-?\d+)",
          ("last enqueued",), "per-rank progress of the process group", "The rank with the lowest completed work is the straggler",
@@ -236,7 +239,8 @@ SIGNATURES: list[Signature] = [
 # Sub-rows of the OOM message, read by orbitctl.doctor.oom from the text around an `oom` match.
 OOM_PARTS = {
     "oom.req": re.compile(rf"Tried to allocate (?P<req>{SIZE})"),
-    "oom.cap": re.compile(rf"GPU (?P<g>\d+) has a total capac?i?ty of (?P<tot>{SIZE}) of which (?P<free>{SIZE}) is free"),
+    "oom.cap": re.compile(rf"GPU (?P<g>\d*) ?has a total capac?i?ty of (?P<tot>{SIZE}) of which (?P<free>{SIZE}) is free"),
+    "oom.allowed": re.compile(rf"is free\. (?P<allowed>{SIZE}) allowed;"),
     "oom.frag": re.compile(rf"and (?P<un>{SIZE}) is reserved by PyTorch but unallocated"),
     "oom.alloc": re.compile(rf"Of the allocated memory (?P<a>{SIZE}) is allocated by PyTorch"),
     "oom.pool": re.compile(rf"with (?P<p>{SIZE}) allocated in private pools"),

@@ -126,7 +126,8 @@ def _classify(ev: Event) -> tuple[str, str, str, int, str]:
         fix = FIX_BY_KIND.get(d.kind, FAQ_OOM)
         return (f"log.oom.{kind}" if kind else "log.oom"), OOM_TITLES[d.kind], FAIL, sig.priority, fix
     if sig.id == "xid":
-        code = int(ev.groups.get("xid", 79))
+        # a teardown Xid (45, 43) that names the fault behind it is classified as that fault
+        code = int(ev.groups.get("prev") or ev.groups.get("xid", 79))
         severity, meaning, fix = classify_xid(code)
         ev.groups["xid_code"] = code
         priority = {FAIL: 100, WARN: 60, INFO: 15}[severity]
