@@ -153,6 +153,9 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
     if not separate and mem.zero_stage == 3 and world > 1:
         notes.append("rollout on the ZeRO-3 shard gathers every layer for every decoded token: memory-safe but slow")
 
+    if arch.mtp_layers:
+        notes.append(f"{arch.mtp_layers} next-token-prediction (MTP) layer(s), {arch.mtp_params / 1e9:.1f} B parameters, "
+                     "are not loaded for RL and not planned")
     resident = {**fixed, **resident_base, **resident_states}
     asleep = separate and ro.engine_sleep
     engine_during_update = {} if (not separate or asleep) else {"engine_weights": int(engine),

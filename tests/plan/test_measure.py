@@ -18,6 +18,14 @@ MOE = {"model_type": "qwen3_moe", "hidden_size": 128, "intermediate_size": 352, 
        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
        "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 512, "max_position_embeddings": 1024}
 
+# MLA attention, one dense + one MoE layer, the fp32 sigmoid router and a shared expert
+MLA_MOE = {"model_type": "deepseek_v3", "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 64,
+           "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
+           "n_routed_experts": 16, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+           "n_group": 1, "topk_group": 1, "vocab_size": 512, "max_position_embeddings": 1024,
+           "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
 
 def _profile(make_profile, tmp_path, config, checkpointing, targets="attention+shared"):
     path = tmp_path / "config.json"
@@ -36,6 +44,20 @@ def test_activation_estimate_within_15_percent(make_profile, tmp_path, config, c
     assert row["component"] == "activations+logits"
     assert row["measured_bytes"] > 0
     assert row["predicted_bytes"] == pytest.approx(row["measured_bytes"], rel=0.15)
+
+
+def test_mla_moe_estimate_within_15_percent(make_profile, tmp_path):
+    m = measure_profile(_profile(make_profile, tmp_path, MLA_MOE, True))
+    row = m.rows[0]
+    assert row["predicted_bytes"] == pytest.approx(row["measured_bytes"], rel=0.15)
+
+
+def test_cli_measure_prints_predicted_and_measured(repo, capsys):
+    from orbitctl.cli.app import main
+
+    assert main(["plan", str(repo / "profiles" / "tiny-cpu.yaml"), "--measure"]) == 0
+    out = capsys.readouterr().out
+    assert "--measure: 2-layer copy" in out and "activations+logits" in out and "calibrated" in out
 
 
 def test_measured_states_match_the_plan(make_profile, tmp_path):
