@@ -40,7 +40,7 @@ class OomDetails:
     kind: str = "unknown"
     """frag | cap | peer | unknown (no numbers in the message)."""
     form: str | None = None
-    """current | 2.1 | old (torch <= 2.0) | hip."""
+    """current | 2.1 | old (torch <= 2.0) | limit ('would exceed allowed memory') | hip."""
     gpu: int | None = None
     request: int | None = None
     total: int | None = None
@@ -91,6 +91,12 @@ def parse_oom(text: str) -> OomDetails:
             size = parse_size(m2.group("m"))
             if size is not None:
                 d.peers[int(m2.group("pid"))] = size
+    elif m := OOM_PARTS["oom.limit"].search(text):
+        d.form = "limit"
+        d.request, d.total, d.free = parse_size(m.group("req")), parse_size(m.group("tot")), parse_size(m.group("free"))
+        d.allocated = parse_size(m.group("alloc"))
+        if g := re.search(r"on device (\d+) would exceed", text):
+            d.gpu = int(g.group(1))
     elif m := OOM_PARTS["oom.old"].search(text):
         d.form = "old"
         d.gpu, d.total, d.free = int(m.group("g")), parse_size(m.group("tot")), parse_size(m.group("free"))
@@ -148,7 +154,7 @@ def decide(d: OomDetails) -> None:
         d.kind = "unknown" if req is None else "cap"
         d.reasons.append(f"asked for {_g(req)}; the message gives no GPU totals")
         return
-    d.reasons.append(f"GPU {d.gpu}: asked for {_g(req)} with {_g(d.free)} free of {_g(tot)}")
+    d.reasons.append(f"GPU {'?' if d.gpu is None else d.gpu}: asked for {_g(req)} with {_g(d.free)} free of {_g(tot)}")
     if d.allocated is not None:
         d.reasons.append(f"PyTorch: {_g(d.allocated)} allocated, {_g(r)} reserved but unallocated"
                          + (f", {_g(d.private_pools)} in private pools" if d.private_pools else ""))
@@ -166,7 +172,9 @@ def decide(d: OomDetails) -> None:
     mine = d.this_process
     if mine is None and d.allocated is not None:
         mine = used_by_torch + (r or 0)
-    if mine is not None and d.free is not None:
+    # what the cache holds must be known (reserved, or this process's total) before the rest is
+    # blamed on another process; the 'exceeds allowed memory' form gives only allocated bytes
+    if mine is not None and d.free is not None and (d.this_process is not None or r is not None):
         unexplained = tot - d.free - mine - d.peer_bytes
         if unexplained >= max(req, 0.10 * tot) and unexplained > (r or 0):
             d.kind = "peer"

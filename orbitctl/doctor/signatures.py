@@ -83,8 +83,8 @@ SIGNATURES: list[Signature] = [
          r"bitsandbytes was compiled without GPU support|libbitsandbytes_cpu\.so: undefined symbol|"
          r"Required library version not found: libbitsandbytes|CUDA SETUP: CUDA detection failed|"
          r"Could not load bitsandbytes native library|libbitsandbytes_cuda\d+\S{0,20}\.so: cannot open shared object|"
-         r"CUDA_SETUP: WARNING! libcudart\.so not found",
-         ("cuda setup", "cuda_setup", "bitsandbytes", "libbitsandbytes"), "bitsandbytes cannot find a CUDA build matching this torch/CUDA",
+         r"CUDA_SETUP: WARNING! libcudart\.so not found|bitsandbytes library load error|Configured CUDA binary not found at",
+         ("cuda setup", "cuda_setup", "bitsandbytes", "libbitsandbytes", "configured cuda binary"), "bitsandbytes cannot find a CUDA build matching this torch/CUDA",
          "pip install -U bitsandbytes; then `python -m bitsandbytes`; unset BNB_CUDA_VERSION unless you mean it; make "
          "sure LD_LIBRARY_PATH holds the libcudart that torch uses", priority=74),
     _sig("nccl.ver", r"Mismatched NCCL version detected : rank (?P<r1>\d+) version (?P<v1>\d+) rank (?P<r2>\d+) version (?P<v2>\d+)|"
@@ -92,7 +92,8 @@ SIGNATURES: list[Signature] = [
          "Run every rank from one environment (same image/venv); unset LD_LIBRARY_PATH/LD_PRELOAD entries pointing at another "
          "libnccl", priority=85),
     # memory
-    _sig("oom", r"(?:CUDA|HIP) out of memory|OutOfMemoryError", ("out of memory", "outofmemoryerror"),
+    _sig("oom", r"(?:CUDA|HIP) out of memory|OutOfMemoryError|would exceed allowed memory\. \(out of memory\)",
+         ("out of memory", "outofmemoryerror"),
          "GPU out of memory (allocator)", FAQ_OOM, priority=80),
     _sig("oom.raw", r"CUBLAS_STATUS_ALLOC_FAILED|CUDA [Ee]rror: out of memory|Cuda failure (?:2 )?'out of memory'|"
          r"cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY|Failed to CUDA calloc|"
@@ -246,6 +247,9 @@ OOM_PARTS = {
     "oom.pool": re.compile(rf"with (?P<p>{SIZE}) allocated in private pools"),
     "oom.self": re.compile(rf"this process has (?P<m>{SIZE}) memory in use"),
     "oom.peer": re.compile(rf"Process (?P<pid>\d+) has (?P<m>{SIZE}) memory in use"),
+    # torch's check against the device limit: "Allocation on device 0 would exceed allowed memory. (out of memory)"
+    "oom.limit": re.compile(rf"Currently allocated\s*: (?P<alloc>{SIZE})\s*Requested\s*: (?P<req>{SIZE})\s*Device limit\s*: "
+                            rf"(?P<tot>{SIZE})\s*Free \(according to CUDA\)\s*: (?P<free>{SIZE})"),
     "oom.old": re.compile(rf"\(GPU (?P<g>\d+); (?P<tot>{SIZE}) total capacity; (?P<alloc>{SIZE}) already allocated; "
                           rf"(?P<free>{SIZE}) free;(?: (?P<res>{SIZE}) (?:reserved in total by PyTorch|cached))?"),
 }
