@@ -109,12 +109,14 @@ SIGNATURES: list[Signature] = [
          "rollout.batch_size, rollout.kv_dtype: fp8, rollout.engine_sleep: true", priority=79),
     _sig("host.oom", r"exits with return code = -9|exitcode\s*:\s*-9\b|Killed process \d+|Out of memory: Kill|"
          r"Signal 9 \(SIGKILL\) received by PID|terminated with signal SIGKILL|oom-kill:|^\s*Killed\s*$|"
-         r"is killed by signal: Killed",
+         r"is killed by signal: Killed|Task was killed due to the node running low on memory|"
+         r"killed due to memory pressure \(OOM\)",
          ("-9", "killed process", "out of memory: kill", "sigkill", "oom-kill", "killed"),
          "host RAM exhausted: the kernel's OOM killer sent SIGKILL (exit code -9)",
          "Check `dmesg | grep -i 'killed process'`; reduce host memory: memory.offload_optimizer/offload_params: none or a "
          "smaller model shard per process, fewer dataloader workers, load checkpoints with low_cpu_mem_usage; or add RAM/swap",
-         priority=78, flags=re.M),
+         # Ray's memory monitor raises ray.exceptions.OutOfMemoryError for host RAM, not GPU memory
+         priority=78, supersedes=("oom",), flags=re.M),
     _sig("train.nan", r"Current loss scale already at minimum|loss'?\"?(?: is|=|:)\s*nan\b|non-finite loss|Detected NaN|"
          r"nan or inf (?:found|detected)|returned nan values in its \d+\w* output|grad_norm'?\"?:\s*nan\b", ("loss scale already at minimum", "nan"),
          "training diverged (NaN/inf loss)", FAQ_INSTABILITY, priority=65, flags=re.I),
