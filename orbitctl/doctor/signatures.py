@@ -48,8 +48,8 @@ def _sig(sid: str, regex: str, needles: tuple[str, ...], cause: str, fix: str, s
 
 SIGNATURES: list[Signature] = [
     # hardware and platform
-    _sig("xid", r"NVRM: Xid \((?P<dev>[^)]{1,40})\): (?P<xid>\d{1,4})\b(?:[^\n]{0,200}?caused by previous Xid (?P<prev>\d{1,4}))?|"
-         r"GPU has fallen off the bus|fallen off the bus",
+    _sig("xid", r"NVRM: Xid \((?P<dev>[^)]{1,40})\): (?P<xid>\d{1,4})\b"
+         r"(?:[^\n]{0,200}?caused by previous Xid (?P<prev>\d{1,4}))?|GPU has fallen off the bus|fallen off the bus",
          ("xid", "fallen off"), "NVIDIA driver fault (Xid)", "See the Xid's own fix", priority=100),
     _sig("cuda.ecc", r"uncorrectable ECC error encountered|cudaErrorECCUncorrectable", ("ecc",),
          "double-bit (uncorrectable) ECC error", "Drain the node, reset the GPU (sudo nvidia-smi -r -i <gpu>); RMA if it repeats",
@@ -84,7 +84,8 @@ SIGNATURES: list[Signature] = [
          r"Required library version not found: libbitsandbytes|CUDA SETUP: CUDA detection failed|"
          r"Could not load bitsandbytes native library|libbitsandbytes_cuda\d+\S{0,20}\.so: cannot open shared object|"
          r"CUDA_SETUP: WARNING! libcudart\.so not found|bitsandbytes library load error|Configured CUDA binary not found at",
-         ("cuda setup", "cuda_setup", "bitsandbytes", "libbitsandbytes", "configured cuda binary"), "bitsandbytes cannot find a CUDA build matching this torch/CUDA",
+         ("cuda setup", "cuda_setup", "bitsandbytes", "libbitsandbytes", "configured cuda binary"),
+         "bitsandbytes cannot find a CUDA build matching this torch/CUDA",
          "pip install -U bitsandbytes; then `python -m bitsandbytes`; unset BNB_CUDA_VERSION unless you mean it; make "
          "sure LD_LIBRARY_PATH holds the libcudart that torch uses", priority=74),
     _sig("nccl.ver", r"Mismatched NCCL version detected : rank (?P<r1>\d+) version (?P<v1>\d+) rank (?P<r2>\d+) version (?P<v2>\d+)|"
@@ -225,8 +226,10 @@ SIGNATURES: list[Signature] = [
          ("got stuck", "heartbeat monitor timed out"), "the NCCL watchdog itself hung (a CUDA/NCCL API call blocked)",
          "Check the kernel log for Xid; py-spy dump -n -p <pid>; raise TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC only if it is a "
          "false alarm", priority=18),
-    _sig("nccl.timeout", r"Watchdog caught collective operation timeout: WorkNCCL\((?P<a>.{0,400}?)(?:\) ran for (?P<ms>\d+) "
-         r"milliseconds|$)|Work WorkNCCL\((?P<a2>.{0,400}?)\) timed out in blocking wait", ("watchdog caught", "blocking wait"),
+    # a pasted line cut before "ran for" still names the timed-out work
+    _sig("nccl.timeout", r"Watchdog caught collective operation timeout: WorkNCCL\((?P<a>.{0,400}?)"
+         r"(?:\) ran for (?P<ms>\d+) milliseconds|$)|Work WorkNCCL\((?P<a2>.{0,400}?)\) timed out in blocking wait",
+         ("watchdog caught", "blocking wait"),
          "a collective timed out: one rank did not join it (crashed, hung, or desynchronised)", FAQ_COMM, priority=20),
     _sig("nccl.pg", r"[Ll]ast enqueued (?:NCCL )?work: (?P<enq>-?\d+), last completed (?:NCCL )?work: (?P<done>-?\d+)",
          ("last enqueued",), "per-rank progress of the process group", "The rank with the lowest completed work is the straggler",
