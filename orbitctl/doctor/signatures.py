@@ -58,9 +58,10 @@ SIGNATURES: list[Signature] = [
          ("not yet initialized", "systemnotready", "system_not_ready"), "NVSwitch fabric manager not running (CUDA error 802)",
          "sudo systemctl enable --now nvidia-fabricmanager (same version as the driver); wait for `nvidia-smi -q | grep -A2 Fabric` "
          "to say Completed", priority=95, supersedes=("cuda.err",)),
-    _sig("cuda.nodev", r"no CUDA-capable device is detected|Found no NVIDIA driver on your system|cudaErrorNoDevice|"
+    _sig("cuda.nodev", r"no CUDA-capable device is detected|[Nn]o CUDA GPUs are available|Found no NVIDIA driver on your system|"
+         r"cudaErrorNoDevice|"
          r"NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver|CUDA driver initialization failed",
-         ("cuda-capable", "no nvidia driver", "nodevice", "nvidia-smi has failed", "driver initialization failed"),
+         ("cuda-capable", "no cuda gpus are available", "no nvidia driver", "nodevice", "nvidia-smi has failed", "driver initialization failed"),
          "no GPU visible to the process (driver not loaded, or the container has no GPUs)",
          "Check `nvidia-smi`; run containers with `--gpus all`; check CUDA_VISIBLE_DEVICES is not empty", priority=93, supersedes=("cuda.err",)),
     _sig("drv.mismatch", r"Driver/library version mismatch|API mismatch: the NVIDIA kernel module", ("mismatch",),
@@ -83,7 +84,9 @@ SIGNATURES: list[Signature] = [
          r"bitsandbytes was compiled without GPU support|libbitsandbytes_cpu\.so: undefined symbol|"
          r"Required library version not found: libbitsandbytes|CUDA SETUP: CUDA detection failed|"
          r"Could not load bitsandbytes native library|libbitsandbytes_cuda\d+\S{0,20}\.so: cannot open shared object|"
-         r"CUDA_SETUP: WARNING! libcudart\.so not found|bitsandbytes library load error|Configured CUDA binary not found at",
+         r"CUDA_SETUP: WARNING! libcudart\.so not found|bitsandbytes library load error|Configured CUDA binary not found at|"
+         r"CUDA SETUP: Setup Failed!|quantization requires (?:Accelerate: `pip install accelerate` and )?the latest version of "
+         r"bitsandbytes",
          ("cuda setup", "cuda_setup", "bitsandbytes", "libbitsandbytes", "configured cuda binary"),
          "bitsandbytes cannot find a CUDA build matching this torch/CUDA",
          "pip install -U bitsandbytes; then `python -m bitsandbytes`; unset BNB_CUDA_VERSION unless you mean it; make "
@@ -214,8 +217,8 @@ SIGNATURES: list[Signature] = [
          "export NCCL_SOCKET_IFNAME=<iface> (one node: lo); rerun with NCCL_DEBUG=INFO", priority=47, supersedes=("nccl.err",)),
     _sig("nccl.err", r"NCCL error(?: in: (?P<file>\S+),|:) (?P<err>[^,\n]{1,200})(?:, NCCL version (?P<ver>\S+))?",
          ("nccl error",), "an NCCL call failed", "Read the lines after it (`Last error:`); " + FAQ_COMM, priority=45),
-    _sig("nccl.sock", r"socketStartConnect: Connect to \S+ failed|Connection closed by remote peer|Connection reset by peer|"
-         r"socketProgress(?:Opt)?: Call to recv|Connection closed by peer", ("connect to", "connection closed", "connection reset",
+    _sig("nccl.sock", r"Connect to \S+ failed|Call to connect failed|Connection closed by remote peer|Connection reset by peer|"
+         r"socketProgress(?:Opt)?: Call to recv|Connection closed by peer", ("connect to", "call to connect", "connection closed", "connection reset",
                                                                             "socketprogress"),
          "a socket to a peer rank broke (the peer died or the network dropped)",
          "Find the first error of the peer rank; check the network and NCCL_SOCKET_IFNAME", priority=30),
