@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orbitctl.arch.spec import ATTENTION, EXPERT, MLP, SHARED_EXPERT, ArchSpec, Layer
+from orbitctl.arch.spec import ATTENTION, EXPERT, MLP, ROUTER, SHARED_EXPERT, ArchSpec, Layer
 from orbitctl.plan.adapters import AdapterPlan
 
 
@@ -70,11 +70,13 @@ class TrainActivations:
     """Which moment of the step is the peak: 'loss backward', 'layer backward' or 'log-prob pass'."""
 
 
+# modules whose input is the block's normed hidden state (the others read an inner tensor)
+READS_NORMED = ("q_proj", "k_proj", "v_proj", "q_a_proj", "kv_a_proj_with_mqa", "gate_proj", "up_proj", "gate")
+
+
 def _lora_inputs(arch: ArchSpec, layer: Layer, ad: AdapterPlan, kinds: tuple[str, ...], st: ActivationSettings) -> float:
     """Saved bytes per token that exist only because modules of these kinds are adapted."""
     modules = [w for w in layer.weights if w.linear and w.kind in kinds and ad.adapted_in(layer.index, w.name)]
-    if not modules:
-        return 0.0
     total = 0.0
     for w in modules:
         d_in, copies = w.shape[1], (arch.experts_per_token if w.kind == EXPERT else 1)
@@ -84,18 +86,19 @@ def _lora_inputs(arch: ArchSpec, layer: Layer, ad: AdapterPlan, kinds: tuple[str
         if st.adapter_bytes == 4:
             total += copies * 4 * d_in
     # adapted modules reading the block's normed input share one saved copy of it
-    if not st.dropout and st.adapter_bytes == 2:
+    if not st.dropout and st.adapter_bytes == 2 and any(w.suffix in READS_NORMED for w in modules):
         total += 2 * arch.hidden_size
     return total
 
 
-def _adapted(layer: Layer, ad: AdapterPlan, suffixes: tuple[str, ...]) -> bool:
-    return any(ad.adapted_in(layer.index, w.name) for w in layer.weights if w.suffix in suffixes)
+def _adapted(layer: Layer, ad: AdapterPlan, suffixes: tuple[str, ...], kinds: tuple[str, ...] | None = None) -> bool:
+    return any(ad.adapted_in(layer.index, w.name) for w in layer.weights
+               if w.suffix in suffixes and (kinds is None or w.kind in kinds))
 
 
-def layer_activations(arch: ArchSpec, layer: Layer, ad: AdapterPlan, st: ActivationSettings) -> LayerActivations:
-    h, a, s = arch.hidden_size, arch.num_heads, st.seq_len
-    norm = 4 * h + 4
+def _attention_core(arch: ArchSpec, layer: Layer, ad: AdapterPlan, st: ActivationSettings) -> tuple[float, float]:
+    """(saved bytes per token of the attention block without adapters and norm, of which its output)."""
+    a, s = arch.num_heads, st.seq_len
     if arch.attention == "mla":
         qk, dv = arch.qk_nope_head_dim + arch.qk_rope_head_dim, arch.v_head_dim
         # flash kernels need one head size: v (and so the output) is padded to the q/k size
@@ -104,51 +107,72 @@ def layer_activations(arch: ArchSpec, layer: Layer, ad: AdapterPlan, st: Activat
         if arch.q_lora_rank:
             attn += 4 * arch.q_lora_rank + 4 + (2 * arch.q_lora_rank if _adapted(layer, ad, ("q_b_proj",)) else 0)
         attn += 4 * arch.kv_lora_rank + 4 + (2 * arch.kv_lora_rank if _adapted(layer, ad, ("kv_b_proj",)) else 0)
-        kv_heads = a
+        kv_heads, out = a, 2 * a * dv_kept
     else:
         d, g = arch.head_dim, arch.num_kv_heads
         attn = 2 * a * d + 2 * g * d + 2 * g * d + 2 * a * d + 4 * a
         if arch.qk_norm:
             attn += 4 * (a + g) * d + 4 * (a + g)
-        qk, dv, kv_heads = d, d, g
+        qk, dv, kv_heads, out = d, d, g, 2 * a * d
     if not st.flash:
         # eager: fp32 softmax kept for its backward, its bf16 copy for the value matmul,
         # and k/v expanded from kv_heads to every head
         attn += 6 * a * s + 2 * (a - kv_heads) * (qk + dv)
-    attn += norm + _lora_inputs(arch, layer, ad, (ATTENTION,), st)
+    return attn, out
 
-    mlp = float(norm)
-    materialized = 0.0
-    if layer.moe:
-        k, e, im = arch.experts_per_token, arch.num_experts, arch.moe_intermediate_size
-        router = (8 if arch.attention == "mla" else 4) * e  # sigmoid scores + biased copy for DeepSeek
-        mlp += k * (4 * h + 6 * im + 4) + router + 32 * k
-        if _adapted(layer, ad, ("down_proj",)) and ad.adapts_routed_experts:
-            mlp += k * 2 * im
-        if arch.shared_intermediate_size:
-            mlp += 6 * arch.shared_intermediate_size
-            shared_down = any(ad.adapted_in(layer.index, w.name) for w in layer.weights
-                              if w.kind == SHARED_EXPERT and w.suffix == "down_proj")
-            mlp += 2 * arch.shared_intermediate_size if shared_down else 0
-        if ad.adapts_routed_experts:
-            # LoRA on stacked expert parameters builds W + BA for every expert in bf16
-            materialized = sum(2 * w.numel for w in layer.weights if w.kind == EXPERT)
-        mlp += _lora_inputs(arch, layer, ad, (MLP, SHARED_EXPERT, EXPERT), st)
-    else:
+
+def _mlp_core(arch: ArchSpec, layer: Layer, ad: AdapterPlan) -> tuple[float, float, float]:
+    """(saved bytes per token of the MLP/MoE block without adapters and norm, the part only an
+    adapted down projection keeps, bf16 expert weights an expert adapter materialises)."""
+    h = arch.hidden_size
+    if not layer.moe:
         i = arch.intermediate_size
-        mlp += 6 * i + (2 * i if _adapted(layer, ad, ("down_proj",)) else 0)
-        mlp += _lora_inputs(arch, layer, ad, (MLP,), st)
-    if ad.kind == "bottleneck":
-        mlp += 2 * h + 2 * ad.rank  # MLP output into down, relu output into up
-    mlp_grads = mlp - norm
-    if layer.moe:
+        return 6 * i, (2 * i if _adapted(layer, ad, ("down_proj",), (MLP,)) else 0), 0.0
+    k, e, im = arch.experts_per_token, arch.num_experts, arch.moe_intermediate_size
+    router = (8 if arch.attention == "mla" else 4) * e  # sigmoid scores + biased copy for DeepSeek
+    core = k * (4 * h + 6 * im + 4) + router + 32 * k
+    down = k * 2 * im if _adapted(layer, ad, ("down_proj",), (EXPERT,)) else 0
+    if arch.shared_intermediate_size:
+        core += 6 * arch.shared_intermediate_size
+        down += 2 * arch.shared_intermediate_size if _adapted(layer, ad, ("down_proj",), (SHARED_EXPERT,)) else 0
+    # LoRA on stacked expert parameters builds W + BA for every expert in bf16
+    materialized = sum(2 * w.numel for w in layer.weights if w.kind == EXPERT) if ad.adapts_routed_experts else 0.0
+    return core, down, materialized
+
+
+def layer_activations(arch: ArchSpec, layer: Layer, ad: AdapterPlan, st: ActivationSettings) -> LayerActivations:
+    h = arch.hidden_size
+    norm1 = norm2 = 4.0 * h + 4
+    attn, attn_out = _attention_core(arch, layer, ad, st)
+    attn_lora = _lora_inputs(arch, layer, ad, (ATTENTION,), st)
+    mlp, mlp_down, materialized = _mlp_core(arch, layer, ad)
+    mlp_lora = _lora_inputs(arch, layer, ad, (MLP, SHARED_EXPERT, EXPERT, ROUTER), st)
+    bottleneck = 2.0 * h + 2 * ad.rank if ad.kind == "bottleneck" else 0.0  # MLP output into down, relu into up
+    if layer.index == 0:
+        # nothing before the first trainable weight needs a gradient, so autograd keeps nothing there
+        attn_inputs = any(ad.adapted_in(0, w.name) for w in layer.weights if w.kind == ATTENTION and w.suffix != "o_proj")
+        o_proj = _adapted(layer, ad, ("o_proj",))
+        mlp_inputs = any(ad.adapted_in(0, w.name) for w in layer.weights
+                         if w.kind in (MLP, SHARED_EXPERT, EXPERT, ROUTER) and w.suffix != "down_proj")
+        norm1 = 0.0  # the embedding output needs no gradient
+        if not attn_inputs:
+            attn = attn_out if o_proj else 0.0
+            if not o_proj:
+                norm2 = 0.0
+                if not mlp_inputs:
+                    mlp = 0.0
+    # gradients of a block are about the size of its own activations, not of the adapters' copies
+    mlp_grads = mlp + mlp_down
+    if layer.moe and mlp:
         # the expert outputs are weighted and un-permuted in the routing weights' dtype (fp32 for
         # DeepSeek/Kimi routers): backward starts with that gradient, its un-permuted copy and
         # the bf16 expert-output gradient for every routed copy
         weight_bytes = 4 if arch.attention == "mla" else 2
         mlp_grads = max(mlp_grads, arch.experts_per_token * h * (2 * weight_bytes + 2))
-    return LayerActivations(saved=attn + mlp, attention_saved=attn, attention_block=attn - norm,
-                            mlp_block=mlp_grads, materialized=materialized)
+    attention_saved = norm1 + attn + attn_lora
+    mlp_saved = norm2 + mlp + mlp_down + mlp_lora + bottleneck
+    return LayerActivations(saved=attention_saved + mlp_saved, attention_saved=attention_saved,
+                            attention_block=attn, mlp_block=mlp_grads + bottleneck, materialized=materialized)
 
 
 def logits_peak(arch: ArchSpec, st: ActivationSettings, *, grad: bool = True) -> float:
@@ -161,12 +185,12 @@ def logits_peak(arch: ArchSpec, st: ActivationSettings, *, grad: bool = True) ->
 def train_activations(arch: ArchSpec, ad: AdapterPlan, st: ActivationSettings) -> TrainActivations:
     """The activation and logits bytes at the peak moment of one micro-batch's forward + backward."""
     t, h = st.tokens, arch.hidden_size
-    cache: dict[int, LayerActivations] = {}
+    cache: dict[tuple[int, bool], LayerActivations] = {}
     per_layer = []
     for layer in arch.layers:
-        key = id(layer.weights)
         # layers sharing one weights tuple have the same shapes and, since targets select by
-        # name, the same adapted modules
+        # name, the same adapted modules; the first layer differs (its frozen prefix keeps nothing)
+        key = (id(layer.weights), layer.index == 0)
         if key not in cache:
             cache[key] = layer_activations(arch, layer, ad, st)
         per_layer.append(cache[key])
