@@ -52,6 +52,18 @@ def test_mla_moe_estimate_within_15_percent(make_profile, tmp_path):
     assert row["predicted_bytes"] == pytest.approx(row["measured_bytes"], rel=0.15)
 
 
+@pytest.mark.parametrize("adapter,checkpointing", [
+    ({"kind": "bottleneck", "rank": 16}, False),
+    ({"dtype": "fp32", "dropout": 0.1, "targets": "attention+mlp"}, True),
+    ({"targets": ["o_proj", "down_proj"]}, False),
+], ids=["bottleneck", "fp32-dropout", "late-modules"])
+def test_adapter_variants_within_15_percent(make_profile, tmp_path, adapter, checkpointing):
+    profile = _profile(make_profile, tmp_path, DENSE, checkpointing)
+    profile.adapter = profile.adapter.model_copy(update=adapter)
+    m = measure_profile(profile)
+    assert m.rows[0]["predicted_bytes"] == pytest.approx(m.rows[0]["measured_bytes"], rel=0.15)
+
+
 def test_cli_measure_prints_predicted_and_measured(repo, capsys):
     from orbitctl.cli.app import main
 
