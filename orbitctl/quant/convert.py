@@ -94,6 +94,7 @@ def quantize_checkpoint(
     state = prepare_output(out, plan)
     if state.complete:
         return _result(ckpt, out, plan, state.report, resumed=len(plan["shards"]), started=started)
+    _return_freed_memory()
     with _torch_threads(1):  # two converter threads, one core each
         records = _write_shards(ckpt, out, plan, state, opts, passthrough, progress)
     report = finish_output(ckpt, out, plan, records, opts, passthrough, eval_prompts)
@@ -116,6 +117,30 @@ def _write_shards(ckpt: Checkpoint, out: Path, plan: dict, state, opts: ConvertO
         if progress:
             progress(done_bytes, total)
     return records
+
+
+def _return_freed_memory() -> None:
+    """Make glibc hand freed tensor buffers back to the OS instead of keeping them in per-thread heaps.
+
+    Without this, tens of thousands of 1-100 MB buffers freed from two threads fragment the
+    heap and the resident size creeps up with the model size (measured: 0.75 GiB at 2 GB,
+    1.4 GiB at 4 GB); with it, it stays flat (0.55 GiB at 4 GB). No-op off glibc.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):
+        return
+    if mallopt is None:
+        return
+    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
+    mallopt(m_mmap_threshold, 1 << 20)  # buffers of 1 MiB and more: mmap, unmapped on free
+    mallopt(m_trim_threshold, 0)
+    mallopt(m_arena_max, 2)
 
 
 class _torch_threads:

@@ -53,8 +53,6 @@ def quant_decision(name: str, ndim: int, *, modules: str = "all-linear", skip: t
     for pattern in skip:
         if pattern and pattern in module:
             return f"quant.skip '{pattern}'"
-    if kind == "lm_head" and "lm_head" in skip:
-        return "quant.skip 'lm_head'"
     if modules == "experts" and kind != "experts":
         return "quant.modules: experts"
     return None
