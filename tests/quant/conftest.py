@@ -48,6 +48,18 @@ def quantized(tmp_path_factory, tiny_models):
     return make
 
 
+def read_all(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory, read with the safetensors library."""
+    from safetensors import safe_open
+
+    tensors = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            for k in f.keys():
+                tensors[k] = f.get_tensor(k)
+    return tensors
+
+
 def logits_of(model, seed: int = 0, batch: int = 2, seq: int = 12) -> torch.Tensor:
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
@@ -72,17 +84,12 @@ def decode_ct_int4(tensors: dict[str, torch.Tensor], prefix: str, qc: dict) -> t
 def dequantized_reference(quant_dir: Path, out_dir: Path) -> Path:
     """Write the bf16 checkpoint a quantized checkpoint stands for, decoded with third-party code."""
     import bitsandbytes.functional as bnbf
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
     config = json.loads((quant_dir / "config.json").read_text())
     qc = config.pop("quantization_config", None) or {}
     method = qc.get("quant_method")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(quant_dir.glob("*.safetensors")):
-        with safe_open(file, "pt") as f:
-            for k in f.keys():
-                tensors[k] = f.get_tensor(k)
+    tensors = read_all(quant_dir)
     dense: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if method == "bitsandbytes" and name + ".quant_map" in tensors:
@@ -113,5 +120,5 @@ def qt():
     """The helpers above, for test modules (conftest is not importable under --import-mode=importlib)."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(logits_of=logits_of, rel_err=rel_err, decode_ct_int4=decode_ct_int4,
+    return SimpleNamespace(read_all=read_all, logits_of=logits_of, rel_err=rel_err, decode_ct_int4=decode_ct_int4,
                            dequantized_reference=dequantized_reference)

@@ -6,33 +6,20 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from orbitctl.quant.formats import (
     FormatSpec, dequantize_fp8_blocks, dequantize_int4, pack_int4, quantize_fp8_blocks, quantize_int4, unpack_int4,
 )
 
 
-def _read_all(out) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in sorted(out.glob("*.safetensors")):
-        with safe_open(file, "pt") as f:
-            for k in f.keys():
-                tensors[k] = f.get_tensor(k)
-    return tensors
-
-
-def _source(tiny_models, arch) -> dict[str, torch.Tensor]:
-    return _read_all(tiny_models[arch])
-
 
 @pytest.mark.parametrize("fmt,storage,dq,block", [("nf4", "bf16", True, 64), ("nf4", "uint8", False, 64),
                                                   ("fp4", "uint8", True, 128), ("fp4", "bf16", False, 64)])
-def test_bnb_packed_data_and_absmax_are_bit_identical_to_quantize_4bit(tiny_models, quantized, fmt, storage, dq, block):
+def test_bnb_packed_data_and_absmax_are_bit_identical_to_quantize_4bit(tiny_models, quantized, qt, fmt, storage, dq, block):
     import bitsandbytes.functional as bnbf
 
     out = quantized("deepseek_v3", fmt, storage_dtype=storage, double_quant=dq, group_size=block)
-    stored, source = _read_all(out), _source(tiny_models, "deepseek_v3")
+    stored, source = qt.read_all(out), qt.read_all(tiny_models["deepseek_v3"])
     names = [n for n in stored if n + ".quant_map" in stored]
     assert len(names) == 16  # 5 MLA projections x 2 layers, dense MLP 3, shared expert 3
     storage_dtype = torch.bfloat16 if storage == "bf16" else torch.uint8
@@ -62,7 +49,7 @@ def test_int4_layout_decodes_with_the_compressed_tensors_decompressor(tiny_model
     assert qc["format"] == "pack-quantized" and qc["quant_method"] == "compressed-tensors"
     weights = qc["config_groups"]["group_0"]["weights"]
     assert (weights["num_bits"], weights["symmetric"], weights["strategy"], weights["group_size"]) == (4, True, "group", 64)
-    stored, source = _read_all(out), _source(tiny_models, "qwen3_moe")
+    stored, source = qt.read_all(out), qt.read_all(tiny_models["qwen3_moe"])
     prefixes = [n[: -len(".weight_packed")] for n in stored if n.endswith(".weight_packed")]
     assert any(".experts.3.down_proj" in p for p in prefixes) and len(prefixes) == 2 * (4 + 4 * 3)
     for prefix in prefixes:
@@ -115,12 +102,12 @@ def test_fp8_quantization_round_trips_representable_blocks_exactly():
     assert torch.equal(dequantize_fp8_blocks(q, scale, torch.float32), w)
 
 
-def test_fp8_checkpoint_layout(quantized):
+def test_fp8_checkpoint_layout(quantized, qt):
     out = quantized("deepseek_v3", "fp8")
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                   "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
-    stored = _read_all(out)
+    stored = qt.read_all(out)
     assert stored["model.layers.1.mlp.experts.0.up_proj.weight"].dtype == torch.float8_e4m3fn
     assert stored["model.layers.1.mlp.experts.0.up_proj.weight_scale_inv"].shape == (1, 1)
     assert stored["model.layers.0.self_attn.q_b_proj.weight_scale_inv"].shape == (2, 1)

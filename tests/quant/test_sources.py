@@ -5,28 +5,19 @@ from __future__ import annotations
 import json
 
 import torch
-from safetensors import safe_open
 
 from orbitctl.quant.convert import quantize_checkpoint
 from orbitctl.quant.formats import dequantize_fp8_blocks
 
 
-def _read_all(path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(file, "pt") as f:
-            for k in f.keys():
-                tensors[k] = f.get_tensor(k)
-    return tensors
 
-
-def test_fp8_source_is_dequantized_block_by_block_then_quantized(quantized, tmp_path):
+def test_fp8_source_is_dequantized_block_by_block_then_quantized(quantized, qt, tmp_path):
     import bitsandbytes.functional as bnbf
 
     fp8 = quantized("deepseek_v3", "fp8")
     result = quantize_checkpoint(fp8, tmp_path / "nf4", fmt="nf4", max_shard_bytes=60_000)
     assert not result.report["passthrough"]
-    src, out = _read_all(fp8), _read_all(tmp_path / "nf4")
+    src, out = qt.read_all(fp8), qt.read_all(tmp_path / "nf4")
     name = "model.layers.0.self_attn.q_b_proj.weight"  # 192 x 64: two row blocks of 128
     dense = dequantize_fp8_blocks(src[name], src[name + "_scale_inv"], torch.bfloat16)
     packed, state = bnbf.quantize_4bit(dense, blocksize=64, compress_statistics=True, quant_type="nf4",
@@ -41,22 +32,22 @@ def test_fp8_source_is_dequantized_block_by_block_then_quantized(quantized, tmp_
     assert torch.equal(out["model.embed_tokens.weight"], src["model.embed_tokens.weight"])
 
 
-def test_fp8_source_to_fp8_is_copied_not_requantized(quantized, tmp_path):
+def test_fp8_source_to_fp8_is_copied_not_requantized(quantized, qt, tmp_path):
     fp8 = quantized("qwen3_moe", "fp8")
     result = quantize_checkpoint(fp8, tmp_path / "again", fmt="fp8", max_shard_bytes=60_000)
     assert result.report["passthrough"] and result.report["tensors"] == []
-    src, out = _read_all(fp8), _read_all(tmp_path / "again")
+    src, out = qt.read_all(fp8), qt.read_all(tmp_path / "again")
     assert src.keys() == out.keys()
     assert all(torch.equal(src[k].view(torch.uint8), out[k].view(torch.uint8)) for k in src)
 
 
-def test_int4_checkpoint_is_accepted_as_is(quantized, tmp_path):
+def test_int4_checkpoint_is_accepted_as_is(quantized, qt, tmp_path):
     from orbitctl.model.base import load_frozen_base
 
     shipped = quantized("deepseek_v3", "int4", modules="experts")  # the Kimi-K2-Thinking layout: experts only
     result = quantize_checkpoint(shipped, tmp_path / "taken", fmt="int4", group_size=64, max_shard_bytes=60_000)
     assert result.report["passthrough"]
-    src, out = _read_all(shipped), _read_all(tmp_path / "taken")
+    src, out = qt.read_all(shipped), qt.read_all(tmp_path / "taken")
     assert src.keys() == out.keys()
     assert all(torch.equal(src[k], out[k]) for k in src)
     config_in = json.loads((shipped / "config.json").read_text())
