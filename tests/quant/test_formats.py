@@ -117,3 +117,24 @@ def test_fp8_checkpoint_layout(quantized, qt):
 def test_describe_names_every_knob():
     assert FormatSpec("nf4", 64, True, "bf16").describe() == {"format": "nf4", "block_size": 64, "double_quant": True,
                                                               "storage_dtype": "bf16"}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("quant_type,dtype", [("nf4", torch.bfloat16), ("fp4", torch.float16), ("nf4", torch.float32)])
+def test_chunked_4bit_quantizer_is_bit_identical_on_many_chunks(threads, quant_type, dtype):
+    import bitsandbytes.functional as bnbf
+
+    from orbitctl.quant.bnb4 import quantize_4bit
+
+    w = (torch.randn(1100, 768, generator=torch.Generator().manual_seed(3)) * 0.03).to(dtype)  # 845k values: many chunks
+    w[7, :128] = 0  # an all-zero block
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ours, state = quantize_4bit(w, blocksize=64, quant_type=quant_type, double_quant=True, quant_storage=torch.uint8)
+    finally:
+        torch.set_num_threads(before)
+    ref, ref_state = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type=quant_type)
+    assert torch.equal(ours, ref)
+    a, b = state.as_dict(packed=True), ref_state.as_dict(packed=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
