@@ -27,6 +27,9 @@ _TINY_DEFAULTS = {
 }
 
 
+RECIPE = 4
+
+
 @dataclass(frozen=True)
 class WarmStart:
     steps: int = 300
@@ -47,9 +50,12 @@ def demo_config(arch: str) -> dict:
     return config
 
 
-def recipe_key(config: dict, task_name: str, warm: WarmStart, extra: dict | None = None) -> str:
-    blob = json.dumps({"config": config, "task": task_name, "warm": asdict(warm), "extra": extra or {}, "v": 1},
-                      sort_keys=True)
+def recipe_key(config: dict, task, warm: WarmStart, extra: dict | None = None) -> str:
+    """Changes whenever anything that shapes the built weights changes (bump RECIPE on code changes)."""
+    prompts = hashlib.sha256("\n".join(it.prompt for it in task.items()).encode()).hexdigest()
+    blob = json.dumps({"config": config, "task": task.name, "prompts": prompts, "warm": asdict(warm),
+                       "reading": [task.reading_example is not None, task.reading_share], "extra": extra or {},
+                       "recipe": RECIPE}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -63,23 +69,35 @@ def build_demo_checkpoint(out_dir: str | Path, config: dict, task, warm: WarmSta
     out_dir = Path(out_dir)
     torch.manual_seed(warm.seed)
     model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"}))
+    # The output layer stays at a wide random init through the warm start. Trained on random
+    # answers, it would pull every digit's row together; the frozen lm_head then leaves the
+    # adapters no direction that separates one digit from another, and RL cannot move the
+    # answer distribution (measured: a LoRA could not even fit a constant answer).
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.1)
+    model.lm_head.weight.requires_grad_(False)
     tokenizer = build_char_tokenizer()
     train_items = [it for it in task.items() if not task.is_eval(it)]
     rng = random.Random(warm.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=warm.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=warm.lr, weight_decay=0.0)
     model.train()
     loss_value = float("nan")
     for step in range(warm.steps):
-        batch = [train_items[rng.randrange(len(train_items))] for _ in range(warm.batch_size)]
-        prompts = tokenizer([b.prompt for b in batch], add_special_tokens=True)["input_ids"]
-        answers = [tokenizer(task.format_example(b, rng), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-                   for b in batch]
+        pairs = []
+        for _ in range(warm.batch_size):
+            if task.reading_example is not None and rng.random() < task.reading_share:
+                pairs.append(task.reading_example(rng))
+            else:
+                item = train_items[rng.randrange(len(train_items))]
+                pairs.append((item.prompt, task.format_example(item, rng)))
+        prompts = tokenizer([p for p, _ in pairs], add_special_tokens=True)["input_ids"]
+        answers = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for _, a in pairs]
         ids, labels = _right_padded(prompts, answers, tokenizer.pad_token_id)
         loss = model(input_ids=ids, attention_mask=(labels != -200).long(), labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        loss_value = float(loss)
+        loss_value = float(loss.detach())
     out_dir.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(str(out_dir), safe_serialization=True)
     save_char_tokenizer(out_dir)

@@ -47,19 +47,16 @@ def _atomic_dir(final: Path, fill) -> dict:
 
 
 def _quant_settings(profile) -> dict:
-    q = profile.quant
-    return {"fmt": q.format, "group_size": q.group_size, "double_quant": q.double_quant, "storage_dtype": q.storage_dtype}
+    return profile.quant.model_dump(mode="json")
 
 
 def quantize_into(source: Path, out: Path, profile) -> None:
-    try:
-        from orbitctl.quant.convert import quantize_checkpoint
-    except ImportError:  # TEMP until the quantize path lands: quantize at load time
-        shutil.copytree(source, out, dirs_exist_ok=True)
-        return
-    settings = _quant_settings(profile)
-    quantize_checkpoint(str(source), str(out), fmt=settings["fmt"], group_size=settings["group_size"],
-                        double_quant=settings["double_quant"], storage_dtype=settings["storage_dtype"])
+    from orbitctl.quant.convert import quantize_checkpoint
+
+    q = profile.quant
+    quantize_checkpoint(str(source), str(out), fmt=q.format, group_size=q.group_size, double_quant=q.double_quant,
+                        storage_dtype=q.storage_dtype, modules=q.modules, skip=list(q.skip),
+                        compute_dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[q.compute_dtype])
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (source / name).exists() and not (out / name).exists():
             shutil.copy2(source / name, out / name)
@@ -92,7 +89,7 @@ def prepare_frozen_base(profile, task=None) -> PreparedBase:
                         fix="set model.path to a Hugging Face checkpoint, or data.train: builtin:digit-sum with model.arch: tiny-llama")
     config = demo_config(profile.model.arch)
     warm = WarmStart(seed=profile.run.seed)
-    key = recipe_key(config, task.name, warm, _quant_settings(profile))
+    key = recipe_key(config, task, warm, {"quant": _quant_settings(profile)})
     root = cache_root() / "demo" / key
     source, quantized = root / "hf", root / profile.quant.format
     notes: dict = {}
@@ -112,20 +109,20 @@ def load_policy(profile, base: PreparedBase):
     from transformers import AutoTokenizer
 
     from orbitctl.model.adapters import attach_bottleneck, attach_lora
-    try:
-        from orbitctl.model.base import load_frozen_base
-    except ImportError:  # TEMP until the quantize path lands
-        def load_frozen_base(path, *, device, compute_dtype):
-            from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-            q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype,
-                                   bnb_4bit_use_double_quant=True, bnb_4bit_quant_storage=torch.bfloat16)
-            return AutoModelForCausalLM.from_pretrained(path, quantization_config=q, device_map=device, dtype=torch.bfloat16)
+    from orbitctl.model.base import load_frozen_base
     from orbitctl.model.policy import Policy
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[profile.quant.compute_dtype]
     model = load_frozen_base(str(base.quantized_dir), device="cpu", compute_dtype=dtype)
     for param in model.parameters():
         param.requires_grad_(False)
+    for module in model.modules():
+        # bitsandbytes repacks NF4 weights for its AVX512-BF16 CPU kernel at the first no-grad
+        # eval forward, and that kernel has no autograd: every later backward would stop at the
+        # quantized layers (LoRA below the last layer gets no gradient through them). One
+        # kernel for both paths also keeps the infer path equal to the train path.
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
     tok_dir = base.quantized_dir if (base.quantized_dir / "tokenizer.json").exists() or base.source_dir is None else base.source_dir
     tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
     tokenizer.padding_side = "left"

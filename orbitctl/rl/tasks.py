@@ -1,12 +1,18 @@
-"""Built-in synthetic tasks for the CPU demo: prompts, a verifiable reward, a format example.
+"""Built-in synthetic tasks for the CPU demo: prompts, a verifiable reward, warm-start examples.
 
 A task that makes RL learning visible on a tiny model needs a reward with several valid
-answers, and a warm start that teaches only the answer's *shape*: then the warm-started
-policy is near chance and everything it gains afterwards comes from the reward.
+answers and a warm start that never shows the task's answers. Every prompt starts with a
+two-symbol id; prompts whose id ends in ``?`` are held out, so evaluation measures
+generalisation to unseen prompts, not recall.
 
-``digit-sum``: the prompt ``417S07:`` asks for two digits that sum to 7 (``25``, ``61``...).
-The three leading digits are an id the policy must learn to ignore; held-out prompts carry
-ids never seen in training, so evaluation measures generalisation, not recall.
+``mod3`` (the demo): ``+-M5:`` asks for one digit d with 5 + d divisible by 3 (1, 4 or 7).
+Its warm start is an *echo* task under another marker (``+-R5:`` -> ``5``): it teaches the
+answer format (one digit, then EOS) and reading the prompt's digit, but no mod-3 answer.
+The warm-started policy therefore echoes the target, which is right only when the target
+is divisible by 3 (about 40% of prompts); everything beyond that comes from the reward.
+
+``digit-sum``: ``+-S07:`` asks for two digits that sum to 7 (``25``, ``61``...), with a
+format-only warm start (random digit pairs). Harder: see docs/train.md for what it needs.
 """
 
 from __future__ import annotations
@@ -41,22 +47,35 @@ class BuiltinTask:
     """Reward of one completion (text after the prompt, special tokens removed)."""
     format_example: Callable[[PromptItem, random.Random], str]
     """A completion with the right shape and an arbitrary (usually wrong) content, for the warm start."""
+    reading_example: Callable[[random.Random], tuple[str, str]] | None = None
+    """An auxiliary (prompt, completion) pair for the warm start that teaches reading the prompt
+    (e.g. echoing a digit under another marker) without showing any answer of the task itself."""
+    reading_share: float = 0.5
+    """Share of warm-start examples drawn from ``reading_example`` (the rest are format examples)."""
     max_new_tokens: int = 4
     """Completion length the task needs, EOS included."""
     meta: dict = field(default_factory=dict)
+
+
+ID_SYMBOLS = "+-*=#?,.()"
+"""Prompt ids are two of these symbols: no digits, so the only digits a prompt holds are the target's."""
+
+
+def _symbol_ids() -> list[str]:
+    return [a + b for a in ID_SYMBOLS for b in ID_SYMBOLS]
 
 
 _DIGIT_PAIR = re.compile(r"^\s*(\d)(\d)\s*$")
 
 
 def _digit_sum_items() -> list[PromptItem]:
-    return [PromptItem(prompt=f"{ident:03d}S{target:02d}:", answer=str(target), source="builtin:digit-sum")
-            for ident in range(1000) for target in range(19)]
+    return [PromptItem(prompt=f"{ident}S{target:02d}:", answer=str(target), source="builtin:digit-sum")
+            for ident in _symbol_ids() for target in range(19)]
 
 
-def _digit_sum_is_eval(item: PromptItem) -> bool:
-    # ids ending in 7 are never trained on: one prompt in ten is held out
-    return item.prompt[2] == "7"
+def _held_out(item: PromptItem) -> bool:
+    # ids whose second symbol is '?' are never trained on: one prompt in ten is held out
+    return item.prompt[1] == "?"
 
 
 def _digit_sum_score(completion: str, item: PromptItem) -> float:
@@ -70,11 +89,39 @@ def _digit_sum_format(item: PromptItem, rng: random.Random) -> str:
     return f"{rng.randrange(10)}{rng.randrange(10)}"
 
 
+_ONE_DIGIT = re.compile(r"^\s*(\d)\s*$")
+
+
+def _mod3_items() -> list[PromptItem]:
+    return [PromptItem(prompt=f"{ident}M{target}:", answer=str(target), source="builtin:mod3")
+            for ident in _symbol_ids() for target in range(10)]
+
+
+def _echo_example(rng: random.Random) -> tuple[str, str]:
+    digit = str(rng.randrange(10))
+    ids = _symbol_ids()
+    return f"{ids[rng.randrange(len(ids))]}R{digit}:", digit
+
+
+def _mod3_score(completion: str, item: PromptItem) -> float:
+    match = _ONE_DIGIT.match(completion)
+    if match is None:
+        return 0.0
+    return 1.0 if (int(match.group(1)) + int(item.answer or 0)) % 3 == 0 else 0.0
+
+
 BUILTIN_TASKS: dict[str, BuiltinTask] = {
+    "mod3": BuiltinTask(
+        name="mod3",
+        description="one digit d with target + d divisible by 3: '+-M5:' -> '1', '4' or '7'; ids ending in '?' held out",
+        items=_mod3_items, is_eval=_held_out, score=_mod3_score,
+        format_example=lambda item, rng: str(rng.randrange(10)), max_new_tokens=2,
+        reading_example=_echo_example, reading_share=1.0,
+    ),
     "digit-sum": BuiltinTask(
         name="digit-sum",
-        description="two digits that sum to the target: '417S07:' -> '25'; 19,000 prompts, ids ending in 7 held out",
-        items=_digit_sum_items, is_eval=_digit_sum_is_eval, score=_digit_sum_score,
+        description="two digits that sum to the target: '+-S07:' -> '25'; ids ending in '?' held out",
+        items=_digit_sum_items, is_eval=_held_out, score=_digit_sum_score,
         format_example=_digit_sum_format, max_new_tokens=3,
     ),
 }

@@ -1,0 +1,100 @@
+"""`orbitctl train`: GRPO/PPO with trainable adapters on the frozen quantized base.
+
+    orbitctl train profiles/tiny-cpu.yaml
+    orbitctl train profiles/tiny-cpu.yaml --steps 50 --set rl.lr=5e-4
+    orbitctl train profiles/tiny-cpu.yaml --fresh --json
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from orbitctl.cli import output
+from orbitctl.cli.common import JsonOption, SetOption, overrides
+
+
+def train_command(
+    profile_path: str = typer.Argument(..., metavar="PROFILE", help="Profile YAML file."),
+    set_: Optional[List[str]] = SetOption,
+    fresh: bool = typer.Option(False, "--fresh", help="Start over instead of resuming the run directory's newest checkpoint."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Optimizer steps (overrides rl.steps)."),
+    json_out: bool = JsonOption,
+) -> None:
+    """Train adapters with GRPO/PPO; rerunning the same command resumes from the newest checkpoint.
+
+    Examples:
+
+        orbitctl train profiles/tiny-cpu.yaml
+
+        orbitctl train profiles/tiny-cpu.yaml --steps 50 --set rl.lr=5e-4
+
+        orbitctl train profiles/tiny-cpu.yaml --fresh --json
+    """
+    from orbitctl.profile import load_profile
+    from orbitctl.rl.trainer import train
+
+    profile = load_profile(profile_path, overrides(set_))
+    view = None if json_out else LiveView(profile.rl.steps if steps is None else steps, profile.run.log_every)
+    try:
+        result = train(profile, fresh=fresh, steps=steps, on_event=view.event if view else None)
+    finally:
+        if view:
+            view.close()
+    if json_out:
+        output.emit_json(result.to_dict())
+        return
+    before = "n/a" if result.eval_before is None else f"{result.eval_before:.1%}"
+    after = "n/a" if result.eval_after is None else f"{result.eval_after:.1%}"
+    output.show(f"held-out greedy accuracy: before {before} -> after {after}  "
+                f"({result.steps} steps, {result.wall_s:.0f} s; adapter in {result.adapter_dir})")
+
+
+class LiveView:
+    """Progress, reward, entropy, mismatch, throughput and memory on stderr; warnings as they come."""
+
+    def __init__(self, total: int, every: int) -> None:
+        from rich.live import Live
+
+        self.total, self.every = total, every
+        self.live = Live(console=output.stderr, refresh_per_second=4, transient=True)
+        self.started = False
+        self.last_eval = ""
+
+    def event(self, kind: str, payload: dict) -> None:
+        if kind == "setup":
+            output.info(f"adapter: {payload['adapter']}")
+            output.info(f"base: {payload['base']}{' (built now)' if payload.get('built') else ' (cached)'}")
+        elif kind == "resume":
+            output.info(f"resuming at step {payload['step']} from {payload['checkpoint']}")
+        elif kind == "eval":
+            self.last_eval = f"eval acc {payload.get('eval_accuracy', float('nan')):.1%}"
+            output.info(f"step {payload['step']}: held-out greedy accuracy {payload.get('eval_accuracy', float('nan')):.1%}")
+        elif kind == "step":
+            for message in payload.get("warnings", []):
+                output.warn(message)
+            if "eval_accuracy" in payload:
+                self.last_eval = f"eval acc {payload['eval_accuracy']:.1%}"
+            if payload["step"] % self.every == 0 or payload["step"] == self.total:
+                if not self.started:
+                    self.live.start()
+                    self.started = True
+                self.live.update(self._line(payload))
+
+    def _line(self, r: dict) -> str:
+        def fmt(value, spec):
+            return "-" if value is None else format(value, spec)
+
+        return (f"step {r['step']}/{self.total}  reward {fmt(r['reward_mean'], '.3f')}  acc {fmt(r['accuracy'], '.1%')}  "
+                f"{self.last_eval}  entropy {fmt(r['entropy'], '.3f')}  k3 {fmt(r['mismatch_k3_kl'], '.1e')}  "
+                f"|dlogp|max {fmt(r['mismatch_logp_abs_max'], '.1e')}  {fmt(r['samples_per_s'], '.0f')} samples/s  "
+                f"{fmt(r['tokens_per_s'], '.0f')} tok/s  mem {r['peak_memory_bytes'] / 2**30:.2f} GiB")
+
+    def close(self) -> None:
+        if self.started:
+            self.live.stop()
+
+
+def register(app: typer.Typer) -> None:
+    app.command("train")(train_command)

@@ -1,0 +1,82 @@
+"""The run's record: metrics.jsonl (one line per optimizer step), memory and health warnings.
+
+Field meanings are documented in docs/train.md. Only rank 0 writes. On resume the file is cut
+back to the checkpoint's step first, so a step is never missing or written twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections import deque
+from pathlib import Path
+
+
+class MetricsLog:
+    def __init__(self, path: Path, enabled: bool) -> None:
+        self.path = Path(path)
+        self.enabled = enabled
+
+    def truncate_after(self, step: int) -> None:
+        """Keep only lines with ``step <= step`` (atomic rewrite); a torn last line is dropped."""
+        if not self.enabled or not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("step", 0) <= step:
+                kept.append(line)
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(k + "\n" for k in kept))
+        os.replace(tmp, self.path)
+
+    def append(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+def peak_memory_bytes() -> tuple[int, str]:
+    """(bytes, what): CUDA max allocated on a GPU, else the process's peak RSS."""
+    import resource
+
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated()), "cuda_max_allocated"
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "rss_peak"
+
+
+class HealthMonitor:
+    """Warnings for the live view: entropy collapse, gradient-norm spikes, memory over the limit."""
+
+    def __init__(self, memory_limit_bytes: int | None, window: int = 20) -> None:
+        self.memory_limit = memory_limit_bytes
+        self.first_entropy: float | None = None
+        self.grad_norms: deque[float] = deque(maxlen=window)
+
+    def check(self, record: dict) -> list[str]:
+        warnings = []
+        entropy = record.get("entropy")
+        if entropy is not None:
+            if self.first_entropy is None:
+                self.first_entropy = entropy
+            elif self.first_entropy > 0 and entropy < 0.1 * self.first_entropy:
+                warnings.append(f"entropy collapse: {entropy:.3f} nats, under 10% of the first step's {self.first_entropy:.3f}")
+        norm = record.get("grad_norm")
+        if norm is not None:
+            if len(self.grad_norms) >= 5 and norm > 5 * statistics.median(self.grad_norms) > 0:
+                warnings.append(f"gradient-norm spike: {norm:.3g}, over 5x the recent median {statistics.median(self.grad_norms):.3g}")
+            self.grad_norms.append(norm)
+        peak = record.get("peak_memory_bytes")
+        if self.memory_limit and peak and peak > self.memory_limit:
+            what = "HBM" if record.get("peak_memory_kind") == "cuda_max_allocated" else "host memory"
+            warnings.append(f"{what} above the profile's limit: {peak / 2**30:.2f} GiB > {self.memory_limit / 2**30:.2f} GiB")
+        return warnings

@@ -1,0 +1,103 @@
+"""Rollout: G completions per prompt on the infer path, then rewards and held-out evaluation."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from orbitctl.rl.tasks import PromptItem
+
+
+@dataclass
+class RolloutBatch:
+    """One step's experience; rows ``[g*G, (g+1)*G)`` are one prompt's group."""
+
+    items: list[PromptItem]
+    prompt_ids: "torch.Tensor"
+    prompt_mask: "torch.Tensor"
+    completion_ids: "torch.Tensor"
+    completion_mask: "torch.Tensor"
+    infer_logprobs: "torch.Tensor"
+    infer_dist: "torch.Tensor | None"
+    completions: list[str]
+    rewards: "torch.Tensor"
+    rollout_s: float
+    reward_s: float
+
+    @property
+    def size(self) -> int:
+        return self.completion_ids.shape[0]
+
+
+def _pad_right(tensors, value):
+    import torch
+
+    width = max(t.shape[1] for t in tensors)
+    out = []
+    for t in tensors:
+        if t.shape[1] < width:
+            pad_shape = (t.shape[0], width - t.shape[1]) + tuple(t.shape[2:])
+            t = torch.cat([t, torch.full(pad_shape, value, dtype=t.dtype)], dim=1)
+        out.append(t)
+    return torch.cat(out, dim=0)
+
+
+def _pad_left(tensors, value):
+    import torch
+
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([torch.cat([torch.full((t.shape[0], width - t.shape[1]), value, dtype=t.dtype), t], dim=1)
+                      for t in tensors], dim=0)
+
+
+def sample_groups(policy, items: list[PromptItem], *, group_size: int, batch_size: int, max_new_tokens: int,
+                  temperature: float, top_p: float, generator, keep_dist: bool):
+    """Sample ``group_size`` completions for every item in chunks of ``batch_size`` sequences."""
+    expanded = [it for it in items for _ in range(group_size)]
+    parts = []
+    for start in range(0, len(expanded), batch_size):
+        chunk = expanded[start:start + batch_size]
+        ids, mask = policy.encode_prompts([it.prompt for it in chunk])
+        parts.append(policy.sample(ids, mask, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   top_p=top_p, generator=generator, keep_dist=keep_dist))
+    return expanded, parts
+
+
+def collect(policy, items, reward_fn, *, group_size: int, batch_size: int, max_new_tokens: int,
+            temperature: float, top_p: float, generator, keep_dist: bool) -> RolloutBatch:
+    import torch
+
+    start = time.perf_counter()
+    expanded, parts = sample_groups(policy, items, group_size=group_size, batch_size=batch_size,
+                                    max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                    generator=generator, keep_dist=keep_dist)
+    pad = policy.pad_id
+    completion_ids = _pad_right([p.completion_ids for p in parts], pad)
+    completion_mask = _pad_right([p.completion_mask for p in parts], 0)
+    logprobs = _pad_right([p.logprobs for p in parts], 0.0)
+    dist = _pad_right([p.dist for p in parts], 0.0) if keep_dist else None
+    prompt_ids = _pad_left([p.prompt_ids for p in parts], pad)
+    prompt_mask = _pad_left([p.prompt_mask for p in parts], 0)
+    completions = policy.decode(completion_ids, completion_mask)
+    rollout_s = time.perf_counter() - start
+    start = time.perf_counter()
+    rewards = torch.tensor(reward_fn(completions, expanded), dtype=torch.float32)
+    return RolloutBatch(expanded, prompt_ids, prompt_mask, completion_ids, completion_mask, logprobs, dist,
+                        completions, rewards, rollout_s, time.perf_counter() - start)
+
+
+def evaluate(policy, items: list[PromptItem], reward_fn, *, batch_size: int, max_new_tokens: int, generator) -> dict:
+    """Held-out greedy accuracy (share of prompts with full reward) and mean reward, summed for all-reduce."""
+    import torch
+
+    correct, total, reward_sum = 0.0, 0, 0.0
+    for start in range(0, len(items), batch_size):
+        chunk = items[start:start + batch_size]
+        ids, mask = policy.encode_prompts([it.prompt for it in chunk])
+        out = policy.sample(ids, mask, max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0,
+                            generator=generator)
+        rewards = torch.tensor(reward_fn(policy.decode(out.completion_ids, out.completion_mask), chunk))
+        correct += float((rewards >= 1.0 - 1e-9).sum())
+        reward_sum += float(rewards.sum())
+        total += len(chunk)
+    return {"correct": correct, "total": total, "reward_sum": reward_sum}

@@ -1,0 +1,323 @@
+"""The training loop behind ``orbitctl train``: rollout -> reward -> advantage -> update.
+
+    from orbitctl.profile import load_profile
+    from orbitctl.rl.trainer import train
+    result = train(load_profile("profiles/tiny-cpu.yaml"))
+
+Nothing assumes a single rank: prompts are sharded by rank, statistics are all-reduced, and
+only rank 0 writes files. The same call on an existing run directory resumes from its newest
+complete checkpoint; ``fresh=True`` starts over.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from orbitctl.errors import RunFailed, UserError
+
+EventFn = Callable[[str, dict], None]
+
+
+@dataclass
+class TrainResult:
+    run_dir: str
+    steps: int
+    resumed_from: int | None
+    eval_before: float | None
+    eval_after: float | None
+    wall_s: float
+    adapter_dir: str
+    adapter: str
+    nonfinite_skipped: int
+    last_metrics: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _accumulation(profile, world: int) -> int:
+    rl, micro = profile.rl, profile.memory.micro_batch_size
+    rows = rl.prompts_per_step * rl.group_size
+    if rl.prompts_per_step % world:
+        raise UserError(f"rl.prompts_per_step: {rl.prompts_per_step} does not divide over {world} ranks",
+                        fix=f"use a multiple of {world}")
+    per_rank = rows // world
+    if per_rank % rl.minibatches or (per_rank // rl.minibatches) % micro:
+        raise UserError(
+            f"memory.micro_batch_size: {micro} must divide the {per_rank // max(rl.minibatches, 1)} sequences "
+            f"of each minibatch (rl.prompts_per_step x rl.group_size / rl.minibatches / ranks)",
+            fix="choose a micro_batch_size that divides it, or change rl.prompts_per_step")
+    return per_rank // rl.minibatches // micro
+
+
+def _prepare_run_dir(run_dir: Path, profile, fresh: bool, rank: int) -> None:
+    import torch.distributed as dist
+
+    if rank == 0:
+        if fresh and run_dir.exists():
+            for name in ("checkpoints", "adapter", "metrics.jsonl", "summary.json", "profile.yaml"):
+                target = run_dir / name
+                shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        import yaml
+
+        tmp = run_dir / ".profile.yaml.tmp"
+        tmp.write_text(yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False))
+        tmp.replace(run_dir / "profile.yaml")
+        from orbitctl.rl.checkpoint import remove_partial
+
+        remove_partial(run_dir)
+    dist.barrier()
+
+
+def _write_json(path: Path, document: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(document, indent=2) + "\n")
+    tmp.replace(path)
+
+
+class _Evaluator:
+    def __init__(self, policy, items, reward_fn, profile, max_new_tokens, rank, world):
+        self.policy, self.items, self.reward_fn = policy, items[rank::world], reward_fn
+        self.batch = profile.rollout_batch_size
+        self.max_new = max_new_tokens
+
+    def __call__(self) -> dict | None:
+        import torch
+
+        from orbitctl.rl.rollout import evaluate
+        from orbitctl.rl.update import _all_reduce_sum
+
+        if not self.items:
+            return None
+        out = evaluate(self.policy, self.items, self.reward_fn, batch_size=self.batch, max_new_tokens=self.max_new,
+                       generator=torch.Generator())
+        total = _all_reduce_sum(out["total"])
+        return {"eval_accuracy": _all_reduce_sum(out["correct"]) / total,
+                "eval_reward": _all_reduce_sum(out["reward_sum"]) / total, "eval_prompts": int(total)}
+
+
+def train(profile, *, fresh: bool = False, steps: int | None = None, on_event: EventFn | None = None) -> TrainResult:
+    """Run (or resume) the profile's RL training; returns what it did. Raises RunFailed on a failed run."""
+    import torch
+
+    from orbitctl.rl.engine import close_process_group, ensure_process_group
+
+    emit = on_event or (lambda kind, payload: None)
+    if steps is not None:
+        profile = profile.model_copy(update={"rl": profile.rl.model_copy(update={"steps": steps})})
+    rank, world = ensure_process_group()
+    try:
+        return _train(profile, fresh, emit, rank, world, torch)
+    finally:
+        close_process_group()
+
+
+def _train(profile, fresh, emit, rank, world, torch) -> TrainResult:
+    from orbitctl.model.prepare import load_policy, prepare_frozen_base
+    from orbitctl.rl import checkpoint as ckpt
+    from orbitctl.rl.data import PromptStream, load_prompts
+    from orbitctl.rl.engine import build_engine
+    from orbitctl.rl.metrics import HealthMonitor, MetricsLog
+    from orbitctl.rl.rewards import make_reward
+
+    wall_start = time.perf_counter()
+    run_dir = Path(profile.run_dir)
+    split = load_prompts(profile.data, profile.run.seed)  # bad data fails here, before any work
+    reward_fn = make_reward(profile.data.reward, split.task)
+    gas = _accumulation(profile, world)
+    _prepare_run_dir(run_dir, profile, fresh, rank)
+
+    torch.manual_seed(profile.run.seed)
+    base = prepare_frozen_base(profile, split.task)
+    policy = load_policy(profile, base)
+    emit("setup", {"adapter": policy.report.summary(), "base": str(base.quantized_dir), "built": base.built,
+                   "run_dir": str(run_dir), "rank": rank, "world_size": world, **base.notes})
+    rl = profile.rl
+    optimizer_steps_per_rollout = rl.ppo_epochs * rl.minibatches
+    engine, _ = build_engine(policy, profile, gas, rl.steps)
+    generator = torch.Generator().manual_seed(profile.run.seed * 7919 + rank)
+    stream = PromptStream(split.train, profile.run.seed, rank, world)
+    max_new = profile.rollout.max_new_tokens
+    evaluator = _Evaluator(policy, split.eval, reward_fn, profile, max_new, rank, world)
+    metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0)
+    summary_path = run_dir / "summary.json"
+
+    step, resumed_from, nonfinite_streak, nonfinite_total = 0, None, 0, 0
+    eval_before = None
+    latest = None if fresh else ckpt.latest_checkpoint(run_dir)
+    if latest is not None:
+        state = ckpt.load_checkpoint(latest[1], engine, generator, rank)
+        step, resumed_from = state["step"], state["step"]
+        stream.cursor = state["cursor"]
+        nonfinite_total = state.get("nonfinite_total", 0)
+        eval_before = state.get("eval_before")
+        metrics.truncate_after(step)
+        emit("resume", {"step": step, "checkpoint": str(latest[1])})
+    else:
+        metrics.truncate_after(0)
+        first = evaluator()
+        eval_before = first["eval_accuracy"] if first else None
+        emit("eval", {"step": 0, **(first or {})})
+    if rank == 0:
+        _write_json(summary_path, {"eval_before": eval_before, "status": "running", "step": step})
+
+    health = HealthMonitor(_memory_limit(profile))
+    last: dict = {}
+    samples_total = step * 0
+    keep_dist = rl.align_loss.kind == "kl" and rl.align_loss.weight > 0
+    while step < rl.steps:
+        items = stream.next_batch(rl.prompts_per_step)
+        rollout_start = time.perf_counter()
+        from orbitctl.rl.rollout import collect
+        from orbitctl.rl.losses import group_advantages
+
+        batch = collect(policy, items, reward_fn, group_size=rl.group_size, batch_size=profile.rollout_batch_size,
+                        max_new_tokens=max_new, temperature=profile.rollout.temperature, top_p=profile.rollout.top_p,
+                        generator=generator, keep_dist=keep_dist)
+        advantages = group_advantages(batch.rewards, rl.group_size, rl.std_normalize) if rl.algorithm == "grpo" \
+            else _ppo_advantages(batch.rewards, rl.group_size)
+        rollout_stats = _rollout_stats(batch)
+        updates: list[dict] = []
+
+        def on_step(stats, seconds, applied, grad_norm):
+            updates.append({"stats": stats, "seconds": seconds, "applied": applied, "grad_norm": grad_norm})
+
+        from orbitctl.rl.update import run_update
+
+        run_update(engine, policy, batch, advantages, profile, on_step)
+        for i, upd in enumerate(updates):
+            step += 1
+            applied = upd["applied"] and upd["stats"].finite
+            if not applied:
+                nonfinite_streak += 1
+                nonfinite_total += 1
+            else:
+                nonfinite_streak = 0
+            record = _record(step, profile, batch, rollout_stats, upd, i == 0, rollout_start, world,
+                             engine.get_lr()[0], samples_seen=stream.cursor * rl.group_size)
+            record["nonfinite_skipped"] = nonfinite_total
+            if step % profile.run.eval_every == 0 or step == rl.steps:
+                result = evaluator()
+                if result:
+                    record.update(result)
+            record["warnings"] = health.check(record)
+            metrics.append(record)
+            last = record
+            emit("step", record)
+            if nonfinite_streak >= rl.max_nonfinite_steps:
+                if rank == 0:
+                    _write_json(summary_path, {"eval_before": eval_before, "status": "failed", "step": step})
+                good = ckpt.latest_checkpoint(run_dir)
+                raise RunFailed(
+                    f"{nonfinite_streak} optimizer steps in a row had a non-finite loss or gradient (step {step}); "
+                    f"updates were skipped and training stopped",
+                    fix=f"last good checkpoint: {good[1] if good else 'none yet'}; lower rl.lr or check the reward "
+                        f"for NaN/inf values, then rerun the same command to resume")
+        if step % profile.run.save_every < optimizer_steps_per_rollout or step >= rl.steps:
+            ckpt.save_checkpoint(run_dir, step, engine, policy, generator,
+                                 {"step": step, "cursor": stream.cursor, "nonfinite_total": nonfinite_total,
+                                  "eval_before": eval_before}, rank, profile.run.keep_last)
+    adapter_dir = run_dir / "adapter"
+    if rank == 0:
+        from orbitctl.model.adapters import save_adapter
+
+        tmp = run_dir / ".adapter.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_adapter(policy.model, tmp, policy.adapter_kind, policy.hidden_size)
+        shutil.rmtree(adapter_dir, ignore_errors=True)
+        tmp.replace(adapter_dir)
+    eval_after = last.get("eval_accuracy") if last else _final_eval(evaluator)
+    result = TrainResult(str(run_dir), step, resumed_from, eval_before, eval_after,
+                         time.perf_counter() - _wall_origin(wall_start), str(adapter_dir), policy.report.summary(),
+                         nonfinite_total, last)
+    if rank == 0:
+        _write_json(summary_path, {**result.to_dict(), "status": "finished"})
+    return result
+
+
+def _wall_origin(start: float) -> float:
+    return start
+
+
+def _final_eval(evaluator) -> float | None:
+    out = evaluator()
+    return out["eval_accuracy"] if out else None
+
+
+def _ppo_advantages(rewards, group_size: int):
+    """PPO without a critic: rewards minus the group mean (a baseline), no std scaling."""
+    from orbitctl.rl.losses import group_advantages
+
+    return group_advantages(rewards, group_size, std_normalize=False)
+
+
+def _rollout_stats(batch) -> dict:
+    from orbitctl.rl.update import _all_reduce_sum
+
+    n = _all_reduce_sum(batch.size)
+    r_sum = _all_reduce_sum(float(batch.rewards.sum()))
+    r_sq = _all_reduce_sum(float((batch.rewards ** 2).sum()))
+    mean = r_sum / n
+    lengths = batch.completion_mask.sum(-1).float()
+    return {
+        "reward_mean": mean,
+        "reward_std": max(0.0, r_sq / n - mean * mean) ** 0.5,
+        "accuracy": _all_reduce_sum(float((batch.rewards >= 1.0 - 1e-9).sum())) / n,
+        "response_length": _all_reduce_sum(float(lengths.sum())) / n,
+        "samples": int(n),
+        "tokens": int(_all_reduce_sum(float(lengths.sum()))),
+    }
+
+
+def _record(step, profile, batch, rollout_stats, upd, first_of_rollout, rollout_start, world, lr, samples_seen) -> dict:
+    from orbitctl.rl.metrics import peak_memory_bytes
+
+    stats = upd["stats"].means()
+    rollout_s = batch.rollout_s if first_of_rollout else 0.0
+    reward_s = batch.reward_s if first_of_rollout else 0.0
+    step_s = rollout_s + reward_s + upd["seconds"]
+    peak, kind = peak_memory_bytes()
+    grad_norm = upd["grad_norm"]
+    return {
+        "step": step,
+        "samples": samples_seen,
+        "tokens": rollout_stats["tokens"],
+        **{k: rollout_stats[k] for k in ("reward_mean", "reward_std", "accuracy", "response_length")},
+        "policy_loss": stats.get("policy_loss"),
+        "align_loss": stats.get("align_loss"),
+        "ref_kl": stats.get("ref_kl"),
+        "entropy": stats.get("entropy"),
+        "mismatch_logp_abs_mean": stats.get("mismatch_logp_abs_mean"),
+        "mismatch_logp_abs_max": stats.get("mismatch_logp_abs_max"),
+        "mismatch_k3_kl": stats.get("mismatch_k3_kl"),
+        "mismatch_prob_abs_mean": stats.get("mismatch_prob_abs_mean"),
+        "is_ratio_mean": stats.get("is_ratio_mean"),
+        "is_ratio_max": stats.get("is_ratio_max"),
+        "is_ratio_min": -stats["neg_is_ratio_min"] if "neg_is_ratio_min" in stats else None,
+        "is_clipped_fraction": stats.get("is_clipped_fraction"),
+        "ppo_clipped_fraction": stats.get("ppo_clipped_fraction"),
+        "grad_norm": float(grad_norm) if grad_norm is not None and upd["applied"] else None,
+        "update_applied": bool(upd["applied"] and upd["stats"].finite),
+        "lr": lr,
+        "time_rollout_s": rollout_s,
+        "time_reward_s": reward_s,
+        "time_update_s": upd["seconds"],
+        "samples_per_s": rollout_stats["samples"] / step_s if first_of_rollout and step_s > 0 else None,
+        "tokens_per_s": rollout_stats["tokens"] / step_s if first_of_rollout and step_s > 0 else None,
+        "peak_memory_bytes": peak,
+        "peak_memory_kind": kind,
+    }
+
+
+def _memory_limit(profile) -> int | None:
+    import torch
+
+    if torch.cuda.is_available():
+        return int(profile.derived()["usable_bytes_per_gpu"])
+    return int(profile.hardware.host_ram_gib * 2**30 * profile.memory.max_hbm_utilization)

@@ -1,0 +1,153 @@
+"""The policy update on the train path: PPO-clip / GRPO with IS correction, align and reference KL.
+
+One rollout batch gives ``rl.ppo_epochs x rl.minibatches`` optimizer steps; each minibatch is
+split into micro-batches of ``memory.micro_batch_size`` whose gradients DeepSpeed accumulates.
+Loss aggregation is token-level: every token of the minibatch (on every rank) weighs the same.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from orbitctl.rl.losses import entropy, is_correction, k3, kl_full, mismatch_stats, ppo_clip_terms
+
+
+@dataclass
+class StepStats:
+    """Sums over one optimizer step's tokens, turned into means by :meth:`means`."""
+
+    tokens: float = 0.0
+    sums: dict = field(default_factory=dict)
+    maxes: dict = field(default_factory=dict)
+    finite: bool = True
+
+    def add(self, name: str, value: float) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + value
+
+    def peak(self, name: str, value: float) -> None:
+        self.maxes[name] = max(self.maxes.get(name, -math.inf), value)
+
+    def means(self) -> dict:
+        n = max(self.tokens, 1.0)
+        out = {k: v / n for k, v in self.sums.items()}
+        out.update(self.maxes)
+        return out
+
+
+def _all_reduce_sum(value: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor)
+    return float(tensor[0])
+
+
+def _rows(batch, rows, advantages, old_logp):
+    sel = {
+        "prompt_ids": batch.prompt_ids[rows], "prompt_mask": batch.prompt_mask[rows],
+        "completion_ids": batch.completion_ids[rows], "completion_mask": batch.completion_mask[rows],
+        "infer_logp": batch.infer_logprobs[rows], "adv": advantages[rows],
+        "dist": batch.infer_dist[rows] if batch.infer_dist is not None else None,
+        "old_logp": old_logp[rows] if old_logp is not None else None,
+    }
+    return sel
+
+
+def _train_logdist(policy, mb, temperature: float, train: bool = True):
+    import torch
+
+    logits = policy.completion_logits(mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
+                                      mb["completion_mask"], train=train)
+    return torch.log_softmax(logits.float() / (temperature if temperature > 0 else 1.0), dim=-1)
+
+
+def old_logprobs(policy, batch, micro: int, temperature: float):
+    """Train-path log-probs of the sampled tokens before any update (PPO's pi_old)."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for start in range(0, batch.size, micro):
+            rows = slice(start, start + micro)
+            logdist = _train_logdist(policy, {"prompt_ids": batch.prompt_ids[rows], "prompt_mask": batch.prompt_mask[rows],
+                                              "completion_ids": batch.completion_ids[rows],
+                                              "completion_mask": batch.completion_mask[rows]}, temperature, train=False)
+            out.append(logdist.gather(-1, batch.completion_ids[rows, :, None]).squeeze(-1))
+    return torch.cat(out, 0) * batch.completion_mask
+
+
+def micro_loss(policy, mb, profile, token_total: float, stats: StepStats):
+    """Loss of one micro-batch, already divided by the minibatch's global token count."""
+    import torch
+
+    rl, temperature = profile.rl, profile.rollout.temperature
+    mask = mb["completion_mask"].float()
+    logdist = _train_logdist(policy, mb, temperature)
+    logp = logdist.gather(-1, mb["completion_ids"][..., None]).squeeze(-1) * mask
+    old = mb["old_logp"] if mb["old_logp"] is not None else logp.detach()
+    pg, clipped, ratio = ppo_clip_terms(logp, old, mb["adv"], rl.clip_eps)
+    isc = is_correction(old, mb["infer_logp"], rl.is_correction.kind, rl.is_correction.cap,
+                        rl.is_correction.low, rl.is_correction.high)
+    token_loss = pg * isc.weight
+    stats.add("policy_loss", float((pg * isc.weight * mask).sum()))
+    if rl.align_loss.kind == "kl" and rl.align_loss.weight > 0:
+        align = kl_full(logdist, mb["dist"]) if mb["dist"] is not None else k3(logp, mb["infer_logp"])
+        token_loss = token_loss + rl.align_loss.weight * align
+        stats.add("align_loss", float((align.detach() * mask).sum()))
+    if rl.kl_ref_coef > 0:
+        ref_logits = policy.reference_logits(mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
+                                             mb["completion_mask"])
+        ref_logp = torch.log_softmax(ref_logits.float() / (temperature if temperature > 0 else 1.0), -1).gather(
+            -1, mb["completion_ids"][..., None]).squeeze(-1)
+        ref_kl = k3(logp, ref_logp)
+        token_loss = token_loss + rl.kl_ref_coef * ref_kl
+        stats.add("ref_kl", float((ref_kl.detach() * mask).sum()))
+    n = float(mask.sum())
+    stats.tokens += n
+    stats.add("entropy", float((entropy(logdist.detach()) * mask).sum()))
+    stats.add("is_ratio_mean", float((isc.ratio * mask).sum()))
+    stats.add("is_clipped_fraction", float((isc.clipped * mask).sum()))
+    stats.add("ppo_clipped_fraction", float((clipped * mask).sum()))
+    if n:
+        stats.peak("is_ratio_max", float(isc.ratio[mask.bool()].max()))
+        stats.peak("neg_is_ratio_min", float(-isc.ratio[mask.bool()].min()))
+    for name, value in mismatch_stats(logp.detach(), mb["infer_logp"], mask).items():
+        if name.endswith("_max"):
+            stats.peak(name, value)
+        else:
+            stats.add(name, value * n)
+    return (token_loss * mask).sum() / token_total
+
+
+def run_update(engine, policy, batch, advantages, profile, on_step) -> None:
+    """All optimizer steps for one rollout batch; ``on_step(stats, seconds, applied, grad_norm)`` after each."""
+    import torch
+
+    rl, micro = profile.rl, profile.memory.micro_batch_size
+    old = old_logprobs(policy, batch, micro, profile.rollout.temperature) if rl.ppo_epochs * rl.minibatches > 1 else None
+    generator = torch.Generator().manual_seed(int(engine.global_steps))
+    per_minibatch = batch.size // rl.minibatches
+    for _epoch in range(rl.ppo_epochs):
+        order = torch.randperm(batch.size, generator=generator) if rl.minibatches > 1 else torch.arange(batch.size)
+        for m in range(rl.minibatches):
+            start = time.perf_counter()
+            rows_all = order[m * per_minibatch:(m + 1) * per_minibatch]
+            token_total = _all_reduce_sum(float(batch.completion_mask[rows_all].sum())) / _world()
+            stats = StepStats()
+            for s in range(0, len(rows_all), micro):
+                mb = _rows(batch, rows_all[s:s + micro], advantages, old)
+                loss = micro_loss(policy, mb, profile, max(token_total, 1.0), stats)
+                stats.finite = stats.finite and bool(torch.isfinite(loss))
+                engine.backward(loss, scale_wrt_gas=False)
+                engine.step()
+            on_step(stats, time.perf_counter() - start, engine.was_step_applied(), engine.get_global_grad_norm())
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1

@@ -1,0 +1,90 @@
+"""Rewards and prompt data: answer extraction, user rewards, malformed JSONL named by line."""
+
+import json
+import sys
+
+import pytest
+
+from orbitctl.errors import InputFileError, UserError
+from orbitctl.rl.data import PromptStream, load_prompts, read_jsonl
+from orbitctl.rl.rewards import extract_final_answer, make_reward, math_reward
+from orbitctl.rl.tasks import PromptItem, builtin_task
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("so the total is 12.\n#### 42", "42"),
+    ("we get \\boxed{\\frac{1}{2}} in the end", "\\frac{1}{2}"),
+    ("3 apples and 4 pears make 7", "7"),
+    ("no number here", None),
+])
+def test_extract_final_answer(text, expected):
+    assert extract_final_answer(text) == expected
+
+
+@pytest.mark.parametrize("completion, answer, reward", [
+    ("#### 1,000", "1000", 1.0),
+    ("\\boxed{0.5}", "1/2", 1.0),
+    ("\\boxed{\\frac{1}{2}}", "0.50", 1.0),
+    ("it is 7 or maybe 8", "7", 0.0),
+    ("#### 8", "#### 8", 1.0),
+    ("nothing", "3", 0.0),
+])
+def test_math_reward_numeric_equivalence(completion, answer, reward):
+    assert math_reward(completion, answer) == reward
+
+
+def test_builtin_digit_sum_reward():
+    task = builtin_task("digit-sum")
+    item = PromptItem("123S07:", "7")
+    score = make_reward("builtin", task)
+    exact, near, off = score(["25", "26", "2x"], [item] * 3)
+    assert exact == 1.0 and 0.0 < near < 1.0 and off == 0.0
+
+
+def test_user_reward_by_signature(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "def by_name(completion, answer):\n    return float(completion.strip() == answer)\n"
+        "def positional(p, c, a):\n    return len(c)\n"
+        "def bad(completion):\n    return 'yes'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    items = [PromptItem("q", "12"), PromptItem("q", "3")]
+    assert make_reward("python:my_rewards:by_name", None)(["12", "4"], items) == [1.0, 0.0]
+    assert make_reward("python:my_rewards:positional", None)(["abc", ""], items) == [3.0, 0.0]
+    with pytest.raises(UserError, match="returned str"):
+        make_reward("python:my_rewards:bad", None)(["x"], items[:1])
+    with pytest.raises(UserError, match="no function 'missing'"):
+        make_reward("python:my_rewards:missing", None)
+    sys.modules.pop("my_rewards", None)
+
+
+def test_malformed_jsonl_names_file_and_line(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n\n{not json}\n")
+    with pytest.raises(InputFileError, match=r"data.jsonl:3: not valid JSON"):
+        read_jsonl(path)
+    path.write_text(json.dumps({"prompt": "1+1="}) + "\n")
+    with pytest.raises(InputFileError, match=r"data.jsonl:1: needs 'answer'"):
+        read_jsonl(path)
+
+
+def test_held_out_split_and_sharded_stream(tmp_path):
+    from orbitctl.profile.schema import DataSection
+
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(50)))
+    split = load_prompts(DataSection(train=str(path), reward="math", eval_fraction=0.2), seed=0)
+    assert len(split.eval) == 10 and len(split.train) == 40
+    assert not {it.prompt for it in split.eval} & {it.prompt for it in split.train}
+    ranks = [PromptStream(split.train, seed=3, rank=r, world_size=2) for r in range(2)]
+    first = [s.next_batch(8) for s in ranks]
+    assert len(first[0]) == 4 and not {i.prompt for i in first[0]} & {i.prompt for i in first[1]}
+    again = PromptStream(split.train, seed=3, rank=0, world_size=2)
+    assert again.next_batch(8) == first[0]
+
+
+def test_builtin_held_out_prompts_never_trained_on():
+    from orbitctl.profile.schema import DataSection
+
+    split = load_prompts(DataSection(train="builtin:digit-sum", eval_size=64), seed=0)
+    assert len(split.eval) == 64
+    assert not {it.prompt for it in split.eval} & {it.prompt for it in split.train}
