@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# the main job: the memory plan of the shipped trillion-parameter profile, then the CPU training demo
+# (build the tiny model, quantize it to NF4 with the streaming converter, LoRA + GRPO, accuracy before/after)
 demo: setup
-	$(BIN)/orbitctl demo
+	$(BIN)/orbitctl plan profiles/kimi-k2_grpo_int4_8xb200.yaml
+	$(BIN)/orbitctl train profiles/tiny-cpu.yaml
 
 test: setup
 	$(BIN)/python -m pytest -q
