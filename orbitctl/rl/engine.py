@@ -12,9 +12,16 @@ accelerator and backend (CPU and gloo here, CUDA and NCCL on GPUs).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
+import sys
+
+
+def _quiet_stdout():
+    """DeepSpeed logs and op-build messages go to stdout; stdout is for data (``--json``)."""
+    return contextlib.redirect_stdout(sys.stderr)
 
 
 def _free_port() -> int:
@@ -25,7 +32,8 @@ def _free_port() -> int:
 
 def ensure_process_group() -> tuple[int, int]:
     """(rank, world_size), initialising the default process group if nobody has."""
-    import deepspeed
+    with _quiet_stdout():
+        import deepspeed
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -33,15 +41,24 @@ def ensure_process_group() -> tuple[int, int]:
             os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                                "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
                                "MASTER_PORT": os.environ.get("MASTER_PORT", str(_free_port()))})
-        deepspeed.init_distributed(verbose=False)
+        with _quiet_stdout():
+            deepspeed.init_distributed(verbose=False)
     return dist.get_rank(), dist.get_world_size()
 
 
 def close_process_group() -> None:
+    """Destroy the default group and DeepSpeed's cached sub-groups, so a later run in the same
+    process (tests, notebooks) starts from a clean slate instead of stale group handles."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:
+        for name, value in list(vars(groups).items()):
+            if name.startswith("_") and ("GROUP" in name or name.startswith("_MPU")) and name.isupper():
+                setattr(groups, name, {} if isinstance(value, dict) else None)
+        groups.mesh_device = None
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, schedule: str):
@@ -78,8 +95,10 @@ def deepspeed_config(profile, gradient_accumulation_steps: int, bf16: bool) -> d
 
 def build_engine(policy, profile, gradient_accumulation_steps: int, total_steps: int):
     """``deepspeed.initialize`` over the policy's trainable (adapter) parameters only."""
-    import deepspeed
     import torch
+
+    with _quiet_stdout():
+        import deepspeed
 
     params = policy.trainable_parameters()
     bf16 = all(p.dtype == torch.bfloat16 for p in params)
@@ -87,7 +106,8 @@ def build_engine(policy, profile, gradient_accumulation_steps: int, total_steps:
                                   betas=(0.9, 0.999), eps=1e-8)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(profile.rl.warmup_steps, total_steps, profile.rl.lr_schedule))
-    engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=policy.model, optimizer=optimizer, lr_scheduler=scheduler,
-        config=deepspeed_config(profile, gradient_accumulation_steps, bf16))
+    with _quiet_stdout():
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=policy.model, optimizer=optimizer, lr_scheduler=scheduler,
+            config=deepspeed_config(profile, gradient_accumulation_steps, bf16))
     return engine, scheduler

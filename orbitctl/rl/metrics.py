@@ -72,8 +72,9 @@ class HealthMonitor:
                 warnings.append(f"entropy collapse: {entropy:.3f} nats, under 10% of the first step's {self.first_entropy:.3f}")
         norm = record.get("grad_norm")
         if norm is not None:
-            if len(self.grad_norms) >= 5 and norm > 5 * statistics.median(self.grad_norms) > 0:
-                warnings.append(f"gradient-norm spike: {norm:.3g}, over 5x the recent median {statistics.median(self.grad_norms):.3g}")
+            median = statistics.median(self.grad_norms) if len(self.grad_norms) >= 10 else 0.0
+            if median > 0 and norm > 10 * median:
+                warnings.append(f"gradient-norm spike: {norm:.3g}, over 10x the recent median {median:.3g}")
             self.grad_norms.append(norm)
         peak = record.get("peak_memory_bytes")
         if self.memory_limit and peak and peak > self.memory_limit:

@@ -93,7 +93,7 @@ def micro_loss(policy, mb, profile, token_total: float, stats: StepStats):
     isc = is_correction(old, mb["infer_logp"], rl.is_correction.kind, rl.is_correction.cap,
                         rl.is_correction.low, rl.is_correction.high)
     token_loss = pg * isc.weight
-    stats.add("policy_loss", float((pg * isc.weight * mask).sum()))
+    stats.add("policy_loss", float((pg.detach() * isc.weight * mask).sum()))
     if rl.align_loss.kind == "kl" and rl.align_loss.weight > 0:
         align = kl_full(logdist, mb["dist"]) if mb["dist"] is not None else k3(logp, mb["infer_logp"])
         token_loss = token_loss + rl.align_loss.weight * align

@@ -1,0 +1,47 @@
+"""Shared fixtures: one model cache per session, and a small, fast version of the demo profile."""
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "profiles" / "tiny-cpu.yaml"
+
+SMALL = {
+    "rl.prompts_per_step": 8, "rl.group_size": 4, "memory.micro_batch_size": 16, "rollout.batch_size": 32,
+    "rl.steps": 3, "rl.warmup_steps": 0, "run.eval_every": 100, "run.save_every": 100, "data.eval_size": 16,
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def model_cache(tmp_path_factory):
+    """Every test (and subprocess) builds the demo base once into this directory."""
+    cache = os.environ.get("ORBITCTL_TEST_CACHE") or str(tmp_path_factory.mktemp("orbitctl-cache"))
+    os.environ["ORBITCTL_CACHE"] = cache
+    return cache
+
+
+def small_profile_yaml(tmp_path: Path, run_name: str, **overrides) -> Path:
+    """A copy of the demo profile shrunk for tests, with dotted-key overrides; returns its path."""
+    data = yaml.safe_load(DEMO.read_text())
+    for key, value in {**SMALL, "run.dir": str(tmp_path / run_name), **overrides}.items():
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    path = tmp_path / f"{run_name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture
+def small_profile(tmp_path):
+    from orbitctl.profile import load_profile
+
+    def make(run_name="run", **overrides):
+        return load_profile(small_profile_yaml(tmp_path, run_name, **overrides))
+
+    return make

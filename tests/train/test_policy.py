@@ -1,0 +1,159 @@
+"""The policy on the frozen NF4 base: what trains, what stays frozen, and the two paths agreeing."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def _same_bytes(a, b) -> bool:
+    # packed NF4 data stored as bf16 holds NaN bit patterns, so compare bytes, not values
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def _policy(profile):
+    from orbitctl.model.prepare import load_policy, prepare_frozen_base
+    from orbitctl.rl.data import load_prompts
+
+    split = load_prompts(profile.data, profile.run.seed)
+    base = prepare_frozen_base(profile, split.task)
+    return load_policy(profile, base), base, split
+
+
+def _train_steps(profile, policy, split, steps):
+    from orbitctl.rl.engine import build_engine, close_process_group, ensure_process_group
+    from orbitctl.rl.losses import group_advantages
+    from orbitctl.rl.rewards import make_reward
+    from orbitctl.rl.rollout import collect
+    from orbitctl.rl.trainer import _accumulation
+    from orbitctl.rl.update import run_update
+
+    ensure_process_group()
+    try:
+        engine, _ = build_engine(policy, profile, _accumulation(profile, 1), steps)
+        reward = make_reward(profile.data.reward, split.task)
+        generator = torch.Generator().manual_seed(0)
+        applied = []
+        for step in range(steps):
+            items = split.train[step * 8:(step + 1) * 8]
+            batch = collect(policy, items, reward, group_size=profile.rl.group_size, batch_size=32,
+                            max_new_tokens=profile.rollout.max_new_tokens, temperature=1.0, top_p=1.0,
+                            generator=generator, keep_dist=True)
+            adv = group_advantages(batch.rewards, profile.rl.group_size, True)
+            run_update(engine, policy, batch, adv, profile, lambda s, t, ok, g: applied.append(ok))
+        return applied
+    finally:
+        close_process_group()
+
+
+def test_short_run_trains_every_adapter_parameter_and_nothing_else(small_profile):
+    profile = small_profile(**{"rl.group_size": 8, "memory.micro_batch_size": 32, "rollout.batch_size": 64})
+    policy, _, split = _policy(profile)
+    before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
+    base_before = {n: t.clone() for n, t in policy.model.state_dict().items() if "lora_" not in n}
+    applied = _train_steps(profile, policy, split, steps=3)
+    assert applied and all(applied)
+    adapter = dict(policy.named_trainable())
+    assert adapter and all("lora_" in n for n in adapter)
+    unchanged = [n for n, p in adapter.items() if torch.equal(p.detach(), before[n])]
+    assert not unchanged, f"adapter parameters that never moved: {unchanged}"
+    for name, param in policy.model.named_parameters():
+        if name not in adapter:
+            assert not param.requires_grad and param.grad is None, name
+    # the quantized base (packed NF4 data, absmax, norms, embeddings) is bit-identical
+    for name, tensor in policy.model.state_dict().items():
+        if "lora_" not in name:
+            assert _same_bytes(tensor, base_before[name]), name
+
+
+def test_adapters_disabled_equal_the_base_model(small_profile):
+    from orbitctl.model.base import load_frozen_base
+
+    profile = small_profile()
+    policy, base, split = _policy(profile)
+    with torch.no_grad():
+        for name, param in policy.named_trainable():
+            param.normal_(0.0, 0.05)  # adapters that visibly change the output
+    ids, mask = policy.encode_prompts([it.prompt for it in split.train[:6]])
+    completion = torch.full((6, 2), 7)
+    completion_mask = torch.ones_like(completion)
+    reference = policy.reference_logits(ids, mask, completion, completion_mask)
+    adapted = policy.completion_logits(ids, mask, completion, completion_mask, train=False).detach()
+    plain = load_frozen_base(str(base.quantized_dir))
+    for module in plain.modules():  # the same bitsandbytes kernel the policy uses (see load_policy)
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    with torch.no_grad():
+        from orbitctl.model.policy import position_ids_for
+
+        full = torch.cat([ids, completion], 1)
+        full_mask = torch.cat([mask, completion_mask], 1)
+        logits = plain(input_ids=full, attention_mask=full_mask, position_ids=position_ids_for(full_mask)).logits
+    expected = logits[:, ids.shape[1] - 1: ids.shape[1] + 1]
+    assert torch.equal(reference, expected)
+    assert not torch.allclose(adapted, expected, atol=1e-3)
+
+
+def test_lora_adapter_loads_with_peft_on_the_quantized_base(small_profile, tmp_path):
+    from peft import PeftModel
+
+    from orbitctl.model.adapters import save_adapter
+    from orbitctl.model.base import load_frozen_base
+
+    profile = small_profile()
+    policy, base, split = _policy(profile)
+    with torch.no_grad():
+        for _, param in policy.named_trainable():
+            param.normal_(0.0, 0.05)
+    save_adapter(policy.model, tmp_path / "adapter", "lora", policy.hidden_size)
+    assert (tmp_path / "adapter" / "adapter_config.json").exists()
+    loaded = PeftModel.from_pretrained(load_frozen_base(str(base.quantized_dir)), str(tmp_path / "adapter"),
+                                       autocast_adapter_dtype=False)
+    for module in loaded.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    ids, mask = policy.encode_prompts([it.prompt for it in split.train[:4]])
+    policy.model.eval()
+    loaded.eval()
+    with torch.no_grad():
+        ours = policy.model(input_ids=ids, attention_mask=mask).logits
+        theirs = loaded(input_ids=ids, attention_mask=mask).logits
+    ours_lora = {n: p for n, p in policy.model.named_parameters() if "lora_" in n}
+    theirs_lora = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
+    assert ours_lora.keys() == theirs_lora.keys()
+    assert all(torch.equal(ours_lora[n].float(), theirs_lora[n].float()) for n in ours_lora)
+    assert torch.allclose(ours.float(), theirs.float(), atol=2e-2)
+
+
+def test_bottleneck_adapter_trains_saves_and_reloads(small_profile, tmp_path):
+    from orbitctl.model.adapters import bottleneck_modules, load_bottleneck, save_adapter
+
+    profile = small_profile(**{"adapter.kind": "bottleneck", "adapter.rank": "auto", "rl.group_size": 8,
+                               "memory.micro_batch_size": 32, "rollout.batch_size": 64})
+    policy, _, split = _policy(profile)
+    modules = bottleneck_modules(policy.model)
+    assert len(modules) == 2 and modules[0].down.out_features == 6  # auto = hidden 64 // 10
+    _train_steps(profile, policy, split, steps=2)
+    assert float(modules[0].up.weight.abs().sum()) > 0
+    save_adapter(policy.model, tmp_path / "bn", "bottleneck", policy.hidden_size)
+    fresh, _, _ = _policy(profile)
+    load_bottleneck(fresh.model, tmp_path / "bn")
+    for a, b in zip(bottleneck_modules(policy.model), bottleneck_modules(fresh.model)):
+        assert torch.equal(a.up.weight, b.up.weight) and torch.equal(a.down.bias, b.down.bias)
+
+
+def test_infer_and_train_paths_agree_under_left_padding(small_profile):
+    profile = small_profile()
+    policy, _, _ = _policy(profile)
+    with torch.no_grad():
+        for _, param in policy.named_trainable():
+            param.normal_(0.0, 0.05)
+    prompts = ["+-M5:", "M2:", "()M7:", "5:"]  # different lengths: rows get left padding
+    ids, mask = policy.encode_prompts(prompts)
+    assert (mask == 0).any()
+    out = policy.sample(ids, mask, max_new_tokens=3, temperature=1.0, top_p=1.0,
+                        generator=torch.Generator().manual_seed(0), keep_dist=True)
+    with torch.no_grad():
+        logits = policy.completion_logits(ids, mask, out.completion_ids, out.completion_mask, train=False)
+    train_logp = torch.log_softmax(logits.float(), -1).gather(-1, out.completion_ids[..., None]).squeeze(-1)
+    delta = ((train_logp - out.logprobs) * out.completion_mask).abs().max()
+    assert float(delta) < 1e-3

@@ -1,0 +1,88 @@
+"""The code sandbox: hostile completions are contained and score 0; honest ones score their pass fraction."""
+
+import os
+import sys
+
+import pytest
+
+if not sys.platform.startswith("linux"):
+    pytest.skip("the sandbox's rlimits and namespaces are Linux features", allow_module_level=True)
+
+from orbitctl.rl.sandbox import SandboxLimits, run_tests
+
+TESTS = "def check(candidate):\n    assert candidate(1) == 2\n    assert candidate(2) == 3\n    assert candidate(3) == 4\n"
+FAST = SandboxLimits(timeout_s=3.0, cpu_s=3)
+
+
+def test_honest_completion_scores_pass_fraction():
+    assert run_tests("def f(x):\n    return x + 1\n", TESTS, "f", FAST).fraction == 1.0
+    partial = run_tests("def f(x):\n    return 2 if x == 1 else x\n", TESTS, "f", FAST)
+    assert (partial.passed, partial.total) == (1, 3)
+
+
+def test_top_level_asserts_without_check_function():
+    result = run_tests("def g(x):\n    return x * 2\n", "assert g(2) == 4\nassert g(3) == 7\n", None, FAST)
+    assert (result.passed, result.total) == (1, 2)
+
+
+def test_infinite_loop_is_killed():
+    result = run_tests("def f(x):\n    while True:\n        pass\n", TESTS, "f", FAST)
+    assert result.status == "timeout" and result.fraction == 0.0
+
+
+def test_fork_bomb_is_contained():
+    bomb = ("import os\nfor _ in range(10000):\n    try:\n        os.fork()\n    except OSError:\n        break\n"
+            "def f(x):\n    return x + 1\n")
+    before = len([p for p in os.listdir("/proc") if p.isdigit()])
+    result = run_tests(bomb, TESTS, "f", FAST)
+    after = len([p for p in os.listdir("/proc") if p.isdigit()])
+    # the process limit stops the forks; the group kill reaps whatever was made
+    assert after - before < 50
+    assert result.fraction in (0.0, 1.0)
+    if result.status == "ok":
+        # forks were refused (OSError) long before 10,000: the limit held
+        assert result.fraction == 1.0
+
+
+def test_fork_bomb_that_keeps_trying_scores_zero():
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\ndef f(x):\n    return x + 1\n"
+    result = run_tests(bomb, TESTS, "f", FAST)
+    assert result.fraction == 0.0
+
+
+def test_huge_allocation_fails_inside_the_sandbox():
+    code = "buf = bytearray(8 * 1024 ** 3)\ndef f(x):\n    return x + 1\n"
+    assert run_tests(code, TESTS, "f", FAST).fraction == 0.0
+
+
+def test_writing_outside_the_temp_dir_is_refused(tmp_path):
+    target = tmp_path / "escaped.txt"
+    code = f"open({str(target)!r}, 'w').write('x')\ndef f(x):\n    return x + 1\n"
+    assert run_tests(code, TESTS, "f", FAST).fraction == 0.0
+    assert not target.exists()
+
+
+def test_parent_environment_is_not_readable(monkeypatch):
+    monkeypatch.setenv("ORBITCTL_TEST_SECRET", "hunter2")
+    code = (
+        "import os\n"
+        "found = os.environ.get('ORBITCTL_TEST_SECRET') == 'hunter2'\n"
+        "if not found:\n"
+        "    try:\n"
+        "        found = b'hunter2' in open(f'/proc/{os.getppid()}/environ', 'rb').read()\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "def f(x):\n    return x + 1 if found else None\n")
+    assert run_tests(code, TESTS, "f", FAST).fraction == 0.0
+    # the same program passes when the secret is handed to it, so the 0 above is containment
+    leak = "found = True\ndef f(x):\n    return x + 1 if found else None\n"
+    assert run_tests(leak, TESTS, "f", FAST).fraction == 1.0
+
+
+def test_code_reward_scores_through_the_sandbox():
+    from orbitctl.rl.rewards import make_reward
+    from orbitctl.rl.tasks import PromptItem
+
+    item = PromptItem(prompt="def f(x):\n", tests=TESTS, entry_point="f")
+    rewards = make_reward("code", None)(["    return x + 1\n", "    while True: pass\n"], [item, item])
+    assert rewards == [1.0, 0.0]
