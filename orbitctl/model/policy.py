@@ -14,8 +14,12 @@ The reference policy is :meth:`reference_logits`: the same weights with adapters
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from orbitctl.model.adapters import AdapterReport, adapters_disabled
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass

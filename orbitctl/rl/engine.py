@@ -30,6 +30,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+_OWN_ENV: dict[str, str] = {}
+"""Launcher variables this process set for itself; removed again when the group closes, so
+child processes (and a later run) do not inherit a stale port."""
+
+
 def ensure_process_group() -> tuple[int, int]:
     """(rank, world_size), initialising the default process group if nobody has."""
     with _quiet_stdout():
@@ -38,9 +43,11 @@ def ensure_process_group() -> tuple[int, int]:
 
     if not dist.is_initialized():
         if "RANK" not in os.environ:
-            os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                               "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                               "MASTER_PORT": os.environ.get("MASTER_PORT", str(_free_port()))})
+            launcher_env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                            "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                            "MASTER_PORT": os.environ.get("MASTER_PORT", str(_free_port()))}
+            _OWN_ENV.update({k: v for k, v in launcher_env.items() if k not in os.environ})
+            os.environ.update(launcher_env)
         with _quiet_stdout():
             deepspeed.init_distributed(verbose=False)
     return dist.get_rank(), dist.get_world_size()
@@ -59,6 +66,9 @@ def close_process_group() -> None:
             if name.startswith("_") and ("GROUP" in name or name.startswith("_MPU")) and name.isupper():
                 setattr(groups, name, {} if isinstance(value, dict) else None)
         groups.mesh_device = None
+    for key in list(_OWN_ENV):
+        os.environ.pop(key, None)
+        _OWN_ENV.pop(key)
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, schedule: str):

@@ -9,6 +9,10 @@ and divides by the number of completion tokens in the whole optimizer step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def group_advantages(rewards, group_size: int, std_normalize: bool = True, eps: float = 1e-4):

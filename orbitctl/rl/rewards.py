@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import math
 import re
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction

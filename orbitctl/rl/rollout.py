@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from orbitctl.rl.tasks import PromptItem
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass

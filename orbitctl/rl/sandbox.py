@@ -27,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 _RUNNER = r'''
 import ast, json, sys

@@ -124,7 +124,10 @@ def _train(profile, fresh, emit, rank, world, torch) -> TrainResult:
     from orbitctl.rl.data import PromptStream, load_prompts
     from orbitctl.rl.engine import build_engine
     from orbitctl.rl.metrics import HealthMonitor, MetricsLog
+    from orbitctl.rl.losses import group_advantages
     from orbitctl.rl.rewards import make_reward
+    from orbitctl.rl.rollout import collect
+    from orbitctl.rl.update import run_update
 
     wall_start = time.perf_counter()
     run_dir = Path(profile.run_dir)
@@ -169,14 +172,9 @@ def _train(profile, fresh, emit, rank, world, torch) -> TrainResult:
 
     health = HealthMonitor(_memory_limit(profile))
     last: dict = {}
-    samples_total = step * 0
     keep_dist = rl.align_loss.kind == "kl" and rl.align_loss.weight > 0
     while step < rl.steps:
         items = stream.next_batch(rl.prompts_per_step)
-        rollout_start = time.perf_counter()
-        from orbitctl.rl.rollout import collect
-        from orbitctl.rl.losses import group_advantages
-
         batch = collect(policy, items, reward_fn, group_size=rl.group_size, batch_size=profile.rollout_batch_size,
                         max_new_tokens=max_new, temperature=profile.rollout.temperature, top_p=profile.rollout.top_p,
                         generator=generator, keep_dist=keep_dist)
@@ -188,8 +186,6 @@ def _train(profile, fresh, emit, rank, world, torch) -> TrainResult:
         def on_step(stats, seconds, applied, grad_norm):
             updates.append({"stats": stats, "seconds": seconds, "applied": applied, "grad_norm": grad_norm})
 
-        from orbitctl.rl.update import run_update
-
         run_update(engine, policy, batch, advantages, profile, on_step)
         for i, upd in enumerate(updates):
             step += 1
@@ -199,7 +195,7 @@ def _train(profile, fresh, emit, rank, world, torch) -> TrainResult:
                 nonfinite_total += 1
             else:
                 nonfinite_streak = 0
-            record = _record(step, profile, batch, rollout_stats, upd, i == 0, rollout_start, world,
+            record = _record(step, batch, rollout_stats, upd, i == 0,
                              engine.get_lr()[0], samples_seen=stream.cursor * rl.group_size)
             record["nonfinite_skipped"] = nonfinite_total
             if step % profile.run.eval_every == 0 or step == rl.steps:
@@ -219,7 +215,9 @@ def _train(profile, fresh, emit, rank, world, torch) -> TrainResult:
                     f"updates were skipped and training stopped",
                     fix=f"last good checkpoint: {good[1] if good else 'none yet'}; lower rl.lr or check the reward "
                         f"for NaN/inf values, then rerun the same command to resume")
-        if step % profile.run.save_every < optimizer_steps_per_rollout or step >= rl.steps:
+        # no checkpoint inside a non-finite streak: the newest one stays the last known-good state
+        due = step % profile.run.save_every < optimizer_steps_per_rollout or step >= rl.steps
+        if due and nonfinite_streak == 0:
             ckpt.save_checkpoint(run_dir, step, engine, policy, generator,
                                  {"step": step, "cursor": stream.cursor, "nonfinite_total": nonfinite_total,
                                   "eval_before": eval_before}, rank, profile.run.keep_last)
@@ -234,15 +232,11 @@ def _train(profile, fresh, emit, rank, world, torch) -> TrainResult:
         tmp.replace(adapter_dir)
     eval_after = last.get("eval_accuracy") if last else _final_eval(evaluator)
     result = TrainResult(str(run_dir), step, resumed_from, eval_before, eval_after,
-                         time.perf_counter() - _wall_origin(wall_start), str(adapter_dir), policy.report.summary(),
+                         time.perf_counter() - wall_start, str(adapter_dir), policy.report.summary(),
                          nonfinite_total, last)
     if rank == 0:
         _write_json(summary_path, {**result.to_dict(), "status": "finished"})
     return result
-
-
-def _wall_origin(start: float) -> float:
-    return start
 
 
 def _final_eval(evaluator) -> float | None:
@@ -275,7 +269,7 @@ def _rollout_stats(batch) -> dict:
     }
 
 
-def _record(step, profile, batch, rollout_stats, upd, first_of_rollout, rollout_start, world, lr, samples_seen) -> dict:
+def _record(step, batch, rollout_stats, upd, first_of_rollout, lr, samples_seen) -> dict:
     from orbitctl.rl.metrics import peak_memory_bytes
 
     stats = upd["stats"].means()

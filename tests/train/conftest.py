@@ -38,6 +38,12 @@ def small_profile_yaml(tmp_path: Path, run_name: str, **overrides) -> Path:
 
 
 @pytest.fixture
+def profile_yaml(tmp_path):
+    """``profile_yaml(run_name, **overrides)``: a small demo profile written under tmp_path."""
+    return lambda run_name="run", **overrides: small_profile_yaml(tmp_path, run_name, **overrides)
+
+
+@pytest.fixture
 def small_profile(tmp_path):
     from orbitctl.profile import load_profile
 

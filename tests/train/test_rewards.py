@@ -33,12 +33,11 @@ def test_math_reward_numeric_equivalence(completion, answer, reward):
     assert math_reward(completion, answer) == reward
 
 
-def test_builtin_digit_sum_reward():
-    task = builtin_task("digit-sum")
-    item = PromptItem("123S07:", "7")
-    score = make_reward("builtin", task)
-    exact, near, off = score(["25", "26", "2x"], [item] * 3)
-    assert exact == 1.0 and 0.0 < near < 1.0 and off == 0.0
+def test_builtin_rewards_accept_every_valid_answer():
+    digit_sum = make_reward("builtin", builtin_task("digit-sum"))
+    assert digit_sum(["25", "70", "26", "2x", "7"], [PromptItem("+-S07:", "7")] * 5) == [1.0, 1.0, 0.0, 0.0, 0.0]
+    mod3 = make_reward("builtin", builtin_task("mod3"))
+    assert mod3(["1", "4", "7", "5", "14"], [PromptItem("+-M5:", "5")] * 5) == [1.0, 1.0, 1.0, 0.0, 0.0]
 
 
 def test_user_reward_by_signature(tmp_path, monkeypatch):

@@ -27,7 +27,8 @@ def test_top_level_asserts_without_check_function():
 
 def test_infinite_loop_is_killed():
     result = run_tests("def f(x):\n    while True:\n        pass\n", TESTS, "f", FAST)
-    assert result.status == "timeout" and result.fraction == 0.0
+    # the wall-clock timeout or the CPU-seconds limit, whichever the machine's load makes first
+    assert result.status in ("timeout", "crashed") and result.fraction == 0.0
 
 
 def test_fork_bomb_is_contained():

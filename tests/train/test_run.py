@@ -1,0 +1,139 @@
+"""Whole runs through the command line: resume after SIGKILL, NaN stop, bad data, thin CLI."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SLOW_REWARD = '''
+import time
+CALLS = {"n": 0}
+
+def score(completion, answer):
+    time.sleep(0.004)  # keeps each step long enough to be killed in the middle of a run
+    text = completion.strip()
+    return float(len(text) == 1 and text.isdigit() and (int(text) + int(answer)) % 3 == 0)
+
+def nan_after_three_steps(completion, answer):
+    CALLS["n"] += 1
+    if CALLS["n"] > 16 + 3 * 32:  # the first evaluation (16 prompts), then three good steps
+        return float("nan")
+    return score(completion, answer)
+'''
+
+
+def _env(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _cmd(profile, *extra):
+    return [sys.executable, "-m", "orbitctl.cli.app", "train", str(profile), "--json", *extra]
+
+
+def _adapter(run_dir: Path):
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_the_same_weights(tmp_path, profile_yaml):
+    (tmp_path / "slow_reward.py").write_text(SLOW_REWARD)
+    settings = {"rl.steps": 14, "run.save_every": 4, "data.reward": "python:slow_reward:score"}
+    straight = profile_yaml("straight", **settings)
+    killed = profile_yaml("killed", **settings)
+    env = _env(tmp_path)
+    done = subprocess.run(_cmd(straight), env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["steps"] == 14
+
+    proc = subprocess.Popen(_cmd(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = tmp_path / "killed" / "checkpoints" / "step-8" / "COMPLETE"
+    deadline = time.time() + 300
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert marker.exists(), "the run ended before its step-8 checkpoint"
+    assert not (tmp_path / "killed" / "adapter").exists(), "killed after finishing: nothing was interrupted"
+
+    resumed = subprocess.run(_cmd(killed), env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    result = json.loads(resumed.stdout)
+    assert result["resumed_from"] in (8, 12) and result["steps"] == 14
+    a, b = _adapter(tmp_path / "straight"), _adapter(tmp_path / "killed")
+    assert a.keys() == b.keys()
+    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    assert worst <= 1e-6
+    assert _steps(tmp_path / "killed") == list(range(1, 15))
+
+
+@pytest.mark.slow
+def test_nan_rewards_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path, profile_yaml):
+    (tmp_path / "slow_reward.py").write_text(SLOW_REWARD)
+    profile = profile_yaml("nan", **{
+        "rl.steps": 20, "run.save_every": 2, "rl.max_nonfinite_steps": 2,
+        "data.reward": "python:slow_reward:nan_after_three_steps"})
+    out = subprocess.run(_cmd(profile), env=_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 1
+    assert "non-finite" in out.stderr and "Traceback" not in out.stderr
+    assert out.stdout.strip() == ""
+    run_dir = tmp_path / "nan"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["update_applied"] for r in records] == [True, True, True, False, False]
+    from orbitctl.rl.checkpoint import latest_checkpoint
+
+    step, path = latest_checkpoint(run_dir)
+    assert step == 2 and (path / "COMPLETE").exists()  # step 4 failed, so it was never saved
+    from safetensors.torch import load_file
+
+    good = load_file(str(path / "adapter" / "adapter_model.safetensors"))
+    assert all(bool(t.float().isfinite().all()) for t in good.values())
+    assert not any(p.name.startswith(".tmp-") for p in (run_dir / "checkpoints").iterdir())
+
+
+def test_malformed_data_fails_before_the_run_starts(tmp_path, profile_yaml):
+    from orbitctl.cli.app import main
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": 3}\n')
+    profile = profile_yaml("bad", **{"data.train": str(data), "data.reward": "math"})
+    assert main(["train", str(profile)]) == 2
+    assert not (tmp_path / "bad").exists()
+
+
+def test_cli_is_thin(tmp_path, monkeypatch, profile_yaml):
+    from orbitctl.cli.app import main
+    from orbitctl.rl import trainer
+
+    seen = {}
+
+    def fake_train(profile, *, fresh, steps, on_event):
+        seen.update(profile=profile, fresh=fresh, steps=steps, on_event=on_event)
+        return trainer.TrainResult(str(tmp_path), 5, None, 0.25, 0.5, 1.0, str(tmp_path / "adapter"), "lora", 0)
+
+    monkeypatch.setattr(trainer, "train", fake_train)
+    profile = profile_yaml("thin")
+    assert main(["train", str(profile), "--steps", "5", "--fresh", "--json", "--set", "rl.lr=0.01"]) == 0
+    assert seen["fresh"] is True and seen["steps"] == 5 and seen["on_event"] is None
+    assert seen["profile"].rl.lr == 0.01
+
+
+def test_help_does_not_import_torch():
+    code = "import sys\nfrom orbitctl.cli.app import main\nmain(['train', '--help'])\nprint('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.stdout.strip().endswith("False")
+    assert "orbitctl train profiles/tiny-cpu.yaml" in out.stdout
