@@ -19,9 +19,20 @@ import socket
 import sys
 
 
+@contextlib.contextmanager
 def _quiet_stdout():
-    """DeepSpeed logs and op-build messages go to stdout; stdout is for data (``--json``)."""
-    return contextlib.redirect_stdout(sys.stderr)
+    """DeepSpeed logs and op-build messages (some from C++) go to stdout, which is for data
+    (``--json``): point file descriptor 1 at stderr while DeepSpeed runs its setup."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _free_port() -> int:
