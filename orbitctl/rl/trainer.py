@@ -21,6 +21,7 @@ from typing import Callable
 from orbitctl.errors import RunFailed, UserError
 
 EventFn = Callable[[str, dict], None]
+FULL_DIST_BUDGET_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -172,7 +173,10 @@ def _train(profile, fresh, emit, rank, world, torch) -> TrainResult:
 
     health = HealthMonitor(_memory_limit(profile))
     last: dict = {}
-    keep_dist = rl.align_loss.kind == "kl" and rl.align_loss.weight > 0
+    # the full infer distribution is kept for the align loss only while it stays small
+    # (tiny vocabularies); otherwise the align loss uses the sampled-token k3 estimate
+    dist_bytes = profile.rollout_batch_size * max_new * int(policy.model.config.vocab_size) * 4
+    keep_dist = rl.align_loss.kind == "kl" and rl.align_loss.weight > 0 and dist_bytes <= FULL_DIST_BUDGET_BYTES
     while step < rl.steps:
         items = stream.next_batch(rl.prompts_per_step)
         batch = collect(policy, items, reward_fn, group_size=rl.group_size, batch_size=profile.rollout_batch_size,
