@@ -65,7 +65,15 @@ class Policy:
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        import inspect
+
+        base_forward = self.model.get_base_model().forward if hasattr(self.model, "get_base_model") else self.model.forward
+        # transformers 5.2x renamed past_key_values to cache; use whichever this version takes
+        self._cache_kw = "cache" if "cache" in inspect.signature(base_forward).parameters else "past_key_values"
         self.model.config.use_cache = True
 
     # -- parameters --------------------------------------------------------------------
@@ -91,7 +99,7 @@ class Policy:
             mask = prompt_mask.clone()
             out = self.model(input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids_for(mask),
                              use_cache=True)
-            cache, logits = out.past_key_values, out.logits[:, -1, :]
+            cache, logits = getattr(out, self._cache_kw), out.logits[:, -1, :]
             next_pos = mask.sum(-1, keepdim=True)
             finished = torch.zeros(batch, dtype=torch.bool)
             tokens, logps, keep, dists = [], [], [], []
@@ -115,8 +123,8 @@ class Policy:
                     break
                 mask = torch.cat([mask, alive.long()[:, None]], dim=-1)
                 out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos,
-                                 past_key_values=cache, use_cache=True)
-                cache, logits = out.past_key_values, out.logits[:, -1, :]
+                                 use_cache=True, **{self._cache_kw: cache})
+                cache, logits = getattr(out, self._cache_kw), out.logits[:, -1, :]
                 next_pos = next_pos + 1
         return Samples(prompt_ids, prompt_mask, torch.stack(tokens, 1), torch.stack(keep, 1),
                        torch.stack(logps, 1), torch.stack(dists, 1) if keep_dist else None)

@@ -190,7 +190,7 @@ def _train(profile, fresh, emit, rank, world, torch) -> TrainResult:
         def on_step(stats, seconds, applied, grad_norm):
             updates.append({"stats": stats, "seconds": seconds, "applied": applied, "grad_norm": grad_norm})
 
-        run_update(engine, policy, batch, advantages, profile, on_step)
+        run_update(engine, policy, batch, advantages, profile, on_step, max_steps=rl.steps - step)
         for i, upd in enumerate(updates):
             step += 1
             applied = upd["applied"] and upd["stats"].finite

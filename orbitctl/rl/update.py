@@ -123,17 +123,22 @@ def micro_loss(policy, mb, profile, token_total: float, stats: StepStats):
     return (token_loss * mask).sum() / token_total
 
 
-def run_update(engine, policy, batch, advantages, profile, on_step) -> None:
-    """All optimizer steps for one rollout batch; ``on_step(stats, seconds, applied, grad_norm)`` after each."""
+def run_update(engine, policy, batch, advantages, profile, on_step, max_steps: int | None = None) -> None:
+    """The optimizer steps for one rollout batch (at most ``max_steps``);
+    ``on_step(stats, seconds, applied, grad_norm)`` after each."""
     import torch
 
     rl, micro = profile.rl, profile.memory.micro_batch_size
     old = old_logprobs(policy, batch, micro, profile.rollout.temperature) if rl.ppo_epochs * rl.minibatches > 1 else None
     generator = torch.Generator().manual_seed(int(engine.global_steps))
     per_minibatch = batch.size // rl.minibatches
+    budget = rl.ppo_epochs * rl.minibatches if max_steps is None else max_steps
     for _epoch in range(rl.ppo_epochs):
         order = torch.randperm(batch.size, generator=generator) if rl.minibatches > 1 else torch.arange(batch.size)
         for m in range(rl.minibatches):
+            if budget <= 0:
+                return
+            budget -= 1
             start = time.perf_counter()
             rows_all = order[m * per_minibatch:(m + 1) * per_minibatch]
             token_total = _all_reduce_sum(float(batch.completion_mask[rows_all].sum())) / _world()

@@ -137,3 +137,25 @@ def test_help_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.stdout.strip().endswith("False")
     assert "orbitctl train profiles/tiny-cpu.yaml" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    {"rl.algorithm": "ppo", "rl.ppo_epochs": 2, "rl.minibatches": 2},
+    {"rl.is_correction.kind": "icepop", "rl.kl_ref_coef": 0.05},
+    {"memory.zero_stage": 3},
+    {"memory.zero_stage": 0, "rl.lr_schedule": "cosine", "rl.warmup_steps": 1, "rl.align_loss.kind": "none"},
+    {"adapter.kind": "bottleneck", "adapter.rank": "auto"},
+], ids=["ppo-2x2", "icepop-refkl", "zero3", "zero0-cosine-noalign", "bottleneck"])
+def test_profile_variants_train(small_profile, overrides):
+    from orbitctl.rl.trainer import train
+
+    result = train(small_profile(**overrides))
+    records = [json.loads(line) for line in (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3] and result.steps == 3
+    assert all(r["update_applied"] for r in records)
+    assert (records[-1]["ref_kl"] is not None) == (overrides.get("rl.kl_ref_coef", 0) > 0)
+    assert (records[-1]["align_loss"] is None) == (overrides.get("rl.align_loss.kind") == "none")
+    if overrides.get("rl.lr_schedule") == "cosine":
+        assert records[0]["lr"] == pytest.approx(1e-3) and records[-1]["lr"] == pytest.approx(0.0, abs=1e-12)
+    assert (Path(result.run_dir) / "adapter").is_dir()
