@@ -42,6 +42,8 @@ def train_command(
     finally:
         if view:
             view.close()
+    if result.rank != 0:  # under a launcher every rank returns; one of them reports
+        return
     if json_out:
         output.emit_json(result.to_dict())
         return

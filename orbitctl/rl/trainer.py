@@ -36,6 +36,8 @@ class TrainResult:
     adapter: str
     nonfinite_skipped: int
     last_metrics: dict = field(default_factory=dict)
+    rank: int = 0
+    """This process's rank: only rank 0 should report (every rank returns the same result)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -109,10 +111,10 @@ def train(profile, *, fresh: bool = False, steps: int | None = None, on_event: E
 
     from orbitctl.rl.engine import close_process_group, ensure_process_group
 
-    emit = on_event or (lambda kind, payload: None)
     if steps is not None:
         profile = profile.model_copy(update={"rl": profile.rl.model_copy(update={"steps": steps})})
     rank, world = ensure_process_group()
+    emit = on_event if on_event is not None and rank == 0 else (lambda kind, payload: None)
     try:
         return _train(profile, fresh, emit, rank, world, torch)
     finally:
@@ -138,7 +140,12 @@ def _train(profile, fresh, emit, rank, world, torch) -> TrainResult:
     _prepare_run_dir(run_dir, profile, fresh, rank)
 
     torch.manual_seed(profile.run.seed)
-    base = prepare_frozen_base(profile, split.task)
+    # rank 0 builds or quantizes what is missing; the others then find it in the cache
+    if rank == 0:
+        base = prepare_frozen_base(profile, split.task)
+    torch.distributed.barrier()
+    if rank != 0:
+        base = prepare_frozen_base(profile, split.task)
     policy = load_policy(profile, base)
     emit("setup", {"adapter": policy.report.summary(), "base": str(base.quantized_dir), "built": base.built,
                    "run_dir": str(run_dir), "rank": rank, "world_size": world, **base.notes})
@@ -237,7 +244,7 @@ def _train(profile, fresh, emit, rank, world, torch) -> TrainResult:
     eval_after = last.get("eval_accuracy") if last else _final_eval(evaluator)
     result = TrainResult(str(run_dir), step, resumed_from, eval_before, eval_after,
                          time.perf_counter() - wall_start, str(adapter_dir), policy.report.summary(),
-                         nonfinite_total, last)
+                         nonfinite_total, last, rank)
     if rank == 0:
         _write_json(summary_path, {**result.to_dict(), "status": "finished"})
     return result

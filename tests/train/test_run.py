@@ -159,3 +159,21 @@ def test_profile_variants_train(small_profile, overrides):
     if overrides.get("rl.lr_schedule") == "cosine":
         assert records[0]["lr"] == pytest.approx(1e-3) and records[-1]["lr"] == pytest.approx(0.0, abs=1e-12)
     assert (Path(result.run_dir) / "adapter").is_dir()
+
+
+@pytest.mark.slow
+def test_two_ranks_shard_prompts_and_report_once(tmp_path, profile_yaml):
+    profile = profile_yaml("two", **{"rl.steps": 4, "run.save_every": 2, "hardware.gpus_per_node": 2})
+    env = {k: v for k, v in _env(tmp_path).items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "orbitctl.cli.app",
+           "train", str(profile), "--json"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)  # exactly one document: only rank 0 reports
+    assert result["steps"] == 4
+    run_dir = tmp_path / "two"
+    checkpoint = run_dir / "checkpoints" / "step-4"
+    assert (checkpoint / "rng-rank0.pt").exists() and (checkpoint / "rng-rank1.pt").exists()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # 8 prompts x 4 completions per step, counted over both ranks
+    assert [r["samples"] for r in records] == [32, 64, 96, 128]
