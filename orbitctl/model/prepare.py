@@ -84,9 +84,15 @@ def prepare_frozen_base(profile, task=None) -> PreparedBase:
         if built:
             _atomic_dir(out, lambda tmp: quantize_into(source, tmp, profile))
         return PreparedBase(out, source, built, {})
-    if task is None or not profile.model.arch:
-        raise UserError("model.path: not set, and only a tiny catalog model with a builtin task can be built by code",
-                        fix="set model.path to a Hugging Face checkpoint, or data.train: builtin:digit-sum with model.arch: tiny-llama")
+    if not profile.model.arch:
+        raise UserError("model.path: not set, and only a tiny catalog architecture can be built by code",
+                        fix="set model.path to a Hugging Face checkpoint, or model.arch: tiny-llama")
+    if task is None:
+        # JSONL data on a tiny catalog model: the base is the demo's, warm-started on the echo
+        # task (answer format: a short completion then EOS; reading digits from the prompt)
+        from orbitctl.rl.tasks import builtin_task
+
+        task = builtin_task("mod3")
     config = demo_config(profile.model.arch)
     warm = WarmStart(seed=profile.run.seed)
     key = recipe_key(config, task, warm, {"quant": _quant_settings(profile)})
