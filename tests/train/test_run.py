@@ -177,3 +177,19 @@ def test_two_ranks_shard_prompts_and_report_once(tmp_path, profile_yaml):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # 8 prompts x 4 completions per step, counted over both ranks
     assert [r["samples"] for r in records] == [32, 64, 96, 128]
+
+
+def test_jsonl_data_with_user_reward_on_the_tiny_model(tmp_path, small_profile, monkeypatch):
+    from orbitctl.rl.trainer import train
+
+    data = tmp_path / "add.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                            for a in range(5) for b in range(5)))
+    (tmp_path / "exact_reward.py").write_text("def score(completion, answer):\n    return float(completion.strip() == answer)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = train(small_profile(**{"data.train": str(data), "data.reward": "python:exact_reward:score",
+                                    "data.eval_fraction": 0.2, "rollout.max_new_tokens": 3}))
+    assert result.steps == 3 and result.eval_before is not None
+    summary = json.loads((Path(result.run_dir) / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["eval_before"] == result.eval_before
+    sys.modules.pop("exact_reward", None)
