@@ -42,7 +42,6 @@ def run_orbitctl(steps: int, warmup: int, run_dir: Path) -> dict:
 
 
 def run_trl(steps: int, warmup: int, out_dir: Path) -> dict:
-    import torch
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoTokenizer, TrainerCallback
