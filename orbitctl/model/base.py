@@ -55,6 +55,13 @@ def load_frozen_base(quantized_dir: str | Path, *, device: str | torch.device = 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype, device_map=str(device))
     for p in model.parameters():
         p.requires_grad_(False)
+    for module in model.modules():
+        # bitsandbytes repacks NF4/FP4 weights for its AVX512-BF16 CPU kernel at the first no-grad
+        # eval forward; that kernel has no autograd (a later backward stops at the quantized layers)
+        # and rounds differently from the training kernel. One kernel for every caller keeps the
+        # infer path, the train path and verification on the same numbers.
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
     model.eval()
     return model
 

@@ -120,15 +120,6 @@ def load_policy(profile, base: PreparedBase):
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[profile.quant.compute_dtype]
     model = load_frozen_base(str(base.quantized_dir), device="cpu", compute_dtype=dtype)
-    for param in model.parameters():
-        param.requires_grad_(False)
-    for module in model.modules():
-        # bitsandbytes repacks NF4 weights for its AVX512-BF16 CPU kernel at the first no-grad
-        # eval forward, and that kernel has no autograd: every later backward would stop at the
-        # quantized layers (LoRA below the last layer gets no gradient through them). One
-        # kernel for both paths also keeps the infer path equal to the train path.
-        if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
     tok_dir = base.quantized_dir if (base.quantized_dir / "tokenizer.json").exists() or base.source_dir is None else base.source_dir
     tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
     tokenizer.padding_side = "left"
