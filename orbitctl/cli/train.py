@@ -68,6 +68,8 @@ class LiveView:
         if kind == "setup":
             output.info(f"adapter: {payload['adapter']}")
             output.info(f"base: {payload['base']}{' (built now)' if payload.get('built') else ' (cached)'}")
+            if payload.get("quant"):
+                output.info(f"frozen base {payload['quant']}")
         elif kind == "resume":
             output.info(f"resuming at step {payload['step']} from {payload['checkpoint']}")
         elif kind == "eval":

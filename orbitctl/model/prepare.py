@@ -109,6 +109,24 @@ def prepare_frozen_base(profile, task=None) -> PreparedBase:
     return PreparedBase(quantized, source, built, notes)
 
 
+def quant_summary(quantized_dir: Path) -> str | None:
+    """One line from the converter's quant_report.json: what the frozen base costs in bits and error."""
+    import json
+
+    report_file = Path(quantized_dir) / "quant_report.json"
+    if not report_file.exists():
+        return None
+    report = json.loads(report_file.read_text())
+    kinds = report.get("summary", {}).get("quantized", {})
+    params = sum(k.get("params", 0) for k in kinds.values()) or 1
+    rel = sum(k.get("rel_fro_error", 0.0) * k.get("params", 0) for k in kinds.values()) / params
+    fmt = report.get("format")
+    fmt = fmt.get("format") if isinstance(fmt, dict) else fmt
+    return (f"{fmt}: {report.get('quantized_params', 0):,} weights quantized, "
+            f"{report.get('bits_per_weight_quantized', 0):.2f} bits/weight, relative error {rel:.3f} "
+            f"({report_file})")
+
+
 def load_policy(profile, base: PreparedBase):
     """The frozen base from disk with fresh adapters attached, as a :class:`Policy`."""
     import torch

@@ -122,7 +122,7 @@ def train(profile, *, fresh: bool = False, steps: int | None = None, on_event: E
 
 
 def _train(profile, fresh, emit, rank, world, torch) -> TrainResult:
-    from orbitctl.model.prepare import load_policy, prepare_frozen_base
+    from orbitctl.model.prepare import load_policy, prepare_frozen_base, quant_summary
     from orbitctl.rl import checkpoint as ckpt
     from orbitctl.rl.data import PromptStream, load_prompts
     from orbitctl.rl.engine import build_engine
@@ -148,6 +148,7 @@ def _train(profile, fresh, emit, rank, world, torch) -> TrainResult:
         base = prepare_frozen_base(profile, split.task)
     policy = load_policy(profile, base)
     emit("setup", {"adapter": policy.report.summary(), "base": str(base.quantized_dir), "built": base.built,
+                   "quant": quant_summary(base.quantized_dir),
                    "run_dir": str(run_dir), "rank": rank, "world_size": world, **base.notes})
     rl = profile.rl
     optimizer_steps_per_rollout = rl.ppo_epochs * rl.minibatches
