@@ -1,7 +1,8 @@
 """A character-level tokenizer for the tiny demo models, in Hugging Face format.
 
-Every character is one token, so a 32-entry vocabulary covers digits, the punctuation the
-built-in tasks and the ``math`` reward use, and the four special tokens. It is built with
+Every character is one token: the four special tokens, newline and the 95 printable ASCII
+characters, so any plain-ASCII task (JSONL prompts in words, code, math) reads without
+``<unk>``; 100 entries in all. It is built with
 the ``tokenizers`` library and saved as ``tokenizer.json`` so that
 ``AutoTokenizer.from_pretrained(dir)`` loads it like any other checkpoint's tokenizer.
 """
@@ -13,8 +14,10 @@ from pathlib import Path
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIALS = (PAD, BOS, EOS, UNK)  # ids 0, 1, 2, 3: pad/bos/eos match tiny-llama's config
 CHARS = tuple("0123456789") + tuple(" S+-*=:#?,./()RMx\n")
+# the built-in tasks' characters keep their historical ids 4..31; the rest of printable ASCII follows
+CHARS += tuple(c for c in map(chr, range(32, 127)) if c not in CHARS)
 VOCAB = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
-VOCAB_SIZE = len(VOCAB)  # 32
+VOCAB_SIZE = len(VOCAB)  # 100
 
 
 def build_char_tokenizer():

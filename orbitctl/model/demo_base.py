@@ -46,7 +46,7 @@ def demo_config(arch: str) -> dict:
     config = {**_TINY_DEFAULTS, **builtin_config(arch)}
     if config.get("vocab_size") != VOCAB_SIZE:
         raise UserError(f"model.arch: {arch} has vocab_size {config.get('vocab_size')}; the demo tokenizer has {VOCAB_SIZE}",
-                        fix="use a tiny catalog architecture with vocab_size 32 or set model.path to a real checkpoint")
+                        fix=f"use a tiny catalog architecture with vocab_size {VOCAB_SIZE} or set model.path to a real checkpoint")
     return config
 
 

@@ -121,7 +121,7 @@ def test_tiny_llama_is_the_demo_contract():
     from orbitctl.arch.catalog import builtin_config
 
     cfg = builtin_config("tiny-llama")
-    assert (cfg["vocab_size"], cfg["pad_token_id"], cfg["bos_token_id"], cfg["eos_token_id"]) == (32, 0, 1, 2)
+    assert (cfg["vocab_size"], cfg["pad_token_id"], cfg["bos_token_id"], cfg["eos_token_id"]) == (100, 0, 1, 2)
     assert cfg["num_hidden_layers"] == 2 and cfg["hidden_size"] == 64 and cfg["tie_word_embeddings"] is False
 
 
