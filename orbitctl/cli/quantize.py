@@ -1,6 +1,6 @@
 """`orbitctl quantize`: turn a Hugging Face checkpoint into the frozen quantized base, streaming.
 
-    orbitctl quantize profiles/tiny-cpu.yaml
+    orbitctl quantize my-profile.yaml          (model.path -> model.quantized_path, quant section)
     orbitctl quantize hf/llama-8b out/llama-8b-nf4 --format nf4 --eval-prompts 8
     orbitctl quantize --verify out/llama-8b-nf4
 """
@@ -35,7 +35,7 @@ def quantize(
 
     Examples:
 
-        orbitctl quantize profiles/tiny-cpu.yaml
+        orbitctl quantize my-profile.yaml --set quant.format=fp8
 
         orbitctl quantize hf/llama-8b out/llama-8b-nf4 --format nf4 --eval-prompts 8
 
