@@ -1,7 +1,7 @@
 """The profile schema: one strict pydantic model shared by every command.
 
 The schema is the documentation: every field has a one-line docstring, bounds and
-literal choices. Defaults are the seed tutorial's recommendations. Nothing here imports
+literal choices. Defaults are the adapter-first method's recommended values. Nothing here imports
 torch. Cross-field rules live in ``model_validator(mode="after")`` and name the YAML key
 and the fix.
 """
@@ -174,7 +174,7 @@ class AlignLoss(Section):
     kind: Literal["kl", "none"] = "kl"
     """Penalty between the train-path and infer-path distributions."""
     weight: float = Field(0.1, ge=0.0)
-    """Weight of the train/infer KL in the loss (tutorial: 0.1)."""
+    """Weight of the train/infer KL in the loss (the method's recommended 0.1)."""
 
 
 class ISCorrection(Section):
