@@ -70,6 +70,11 @@ class LiveView:
             output.info(f"base: {payload['base']}{' (built now)' if payload.get('built') else ' (cached)'}")
             if payload.get("quant"):
                 output.info(f"frozen base {payload['quant']}")
+            acc = payload.get("accumulation") or {}
+            if acc and acc["derived"] != acc["profile"]:
+                output.warn(f"gradient accumulation is {acc['derived']} micro-batches per optimizer step, derived from "
+                            f"rl.prompts_per_step x rl.group_size / rl.minibatches / ranks / memory.micro_batch_size; "
+                            f"memory.gradient_accumulation_steps={acc['profile']} is what `orbitctl plan` assumes")
         elif kind == "resume":
             output.info(f"resuming at step {payload['step']} from {payload['checkpoint']}")
         elif kind == "eval":

@@ -149,6 +149,7 @@ def _train(profile, fresh, emit, rank, world, torch) -> TrainResult:
     policy = load_policy(profile, base)
     emit("setup", {"adapter": policy.report.summary(), "base": str(base.quantized_dir), "built": base.built,
                    "quant": quant_summary(base.quantized_dir),
+                   "accumulation": {"derived": gas, "profile": profile.memory.gradient_accumulation_steps},
                    "run_dir": str(run_dir), "rank": rank, "world_size": world, **base.notes})
     rl = profile.rl
     optimizer_steps_per_rollout = rl.ppo_epochs * rl.minibatches
