@@ -87,3 +87,15 @@ def test_code_reward_scores_through_the_sandbox():
     item = PromptItem(prompt="def f(x):\n", tests=TESTS, entry_point="f")
     rewards = make_reward("code", None)(["    return x + 1\n", "    while True: pass\n"], [item, item])
     assert rewards == [1.0, 0.0]
+
+
+def test_sandboxes_started_from_many_threads_all_finish():
+    # the code reward runs sandboxes from a thread pool; confinement must not depend on the
+    # parent being single-threaded (Python code between fork and exec could deadlock there)
+    from concurrent.futures import ThreadPoolExecutor
+
+    programs = ["def f(x):\n    return x + 1\n", "def f(x):\n    return 2 if x == 1 else x\n"] * 6
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        results = list(pool.map(lambda p: run_tests(p, TESTS, "f", FAST), programs))
+    assert [r.status for r in results] == ["ok"] * 12
+    assert [r.passed for r in results] == [3, 1] * 6
