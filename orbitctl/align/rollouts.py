@@ -317,40 +317,53 @@ def _top_key(c: EngineCompletion, j: int, m: int) -> str:
 
 
 class _TokenMap:
-    """Engine token strings to ids: every id's decoded string, then its vocabulary name; built on first use."""
+    """Engine token strings to ids, built once on first use from three views of the vocabulary, in order:
+
+    the text a token adds after another token (what an incremental detokenizer such as vLLM's prints:
+    SentencePiece's "▁hello" reads " hello", not "hello"), the token decoded alone, and its vocabulary name.
+    A string is resolved by the first view that knows it, and only when it names exactly one id there.
+    """
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.decoded: dict[str, list[int]] | None = None
-        self.named: dict[str, list[int]] = {}
+        self.views: list[dict[str, list[int]]] | None = None
 
     def _build(self) -> None:
-        size = len(self.tokenizer)
-        names = self.tokenizer.convert_ids_to_tokens(list(range(size)))
-        self.decoded = {}
-        for i in range(size):
-            self.decoded.setdefault(self.tokenizer.decode([i]), []).append(i)
-            if names[i] is not None:
-                self.named.setdefault(names[i], []).append(i)
+        tok, size = self.tokenizer, len(self.tokenizer)
+        alone = tok.batch_decode([[i] for i in range(size)])
+        anchor = (tok("a", add_special_tokens=False)["input_ids"] or [None])[-1]
+        head = tok.decode([anchor]) if anchor is not None else ""
+        in_context = [text[len(head):] if text.startswith(head) else None
+                      for text in tok.batch_decode([[anchor, i] for i in range(size)])] if head else []
+        names = tok.convert_ids_to_tokens(list(range(size)))
+        self.views = [_index(in_context), _index(alone), _index(names)]
 
     def token_id(self, token: str, raw: list[int] | None, last_stop: bool, where: str, key: str) -> int:
         if token.startswith(TOKEN_ID_PREFIX):
             return _placeholder_id(where, token, key)
-        if self.decoded is None:
+        if self.views is None:
             self._build()
-        if raw is not None:  # the bytes survive JSON escaping and odd token names
-            by_bytes = self.decoded.get(bytes(raw).decode("utf-8", errors="replace"), [])
-            if len(by_bytes) == 1:
-                return by_bytes[0]
-        candidates = self.decoded.get(token) or self.named.get(token) or []
-        if len(candidates) == 1:
-            return candidates[0]
+        keys = [token] if raw is None else [bytes(raw).decode("utf-8", errors="replace"), token]
+        candidates: list[int] = []
+        for text in keys:  # the bytes first: they survive JSON escaping and odd token names
+            found = next((view[text] for view in self.views if text in view), [])
+            if len(found) == 1:
+                return found[0]
+            candidates = candidates or found
         eos = self.tokenizer.eos_token_id
         if last_stop and eos is not None and (not token or eos in candidates):
             return eos  # engines print EOS as "" when they skip special tokens
         what = (f"token {token!r} maps to no id of the tokenizer" if not candidates else
                 f"token {token!r} maps to {len(candidates)} ids ({', '.join(map(str, candidates[:5]))})")
         raise _fail(where, what, key, IDS_FIX)
+
+
+def _index(texts: list[str | None]) -> dict[str, list[int]]:
+    index: dict[str, list[int]] = {}
+    for i, text in enumerate(texts):
+        if text is not None:
+            index.setdefault(text, []).append(i)
+    return index
 
 
 def _prompt_ids(c: EngineCompletion, tokenizer, where: str) -> list[int]:

@@ -152,6 +152,36 @@ def test_ambiguous_token_string_is_refused_and_vocabulary_names_resolve(tmp_path
         resolve_ids(completions, tok)
 
 
+def test_sentencepiece_tokens_resolve_as_an_incremental_detokenizer_prints_them(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # alone, "▁hello" and "hello" both decode to "hello"; after another token the first reads " hello"
+    vocab = {"<unk>": 0, "</s>": 1, "▁hello": 2, "hello": 3, "▁world": 4, "a": 5, "▁a": 6}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    core.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="</s>")
+    line = {"prompt_token_ids": [4], "choices": [{"finish_reason": "stop", "logprobs": {
+        "tokens": [" hello", "hello", "▁world", ""], "token_logprobs": [-1.0, -1.0, -1.0, -1.0],
+        "top_logprobs": [{" hello": -1.0, "hello": -2.0}, None, None, None]}}]}
+    path = tmp_path / "sp.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    (resolved,) = resolve_ids(read_rollouts(path), tok)
+    assert resolved.completion_ids == [2, 3, 4, 1]  # "▁world" by its vocabulary name; "" at a stop is EOS
+    assert resolved.top_ids[0] == [2, 3]
+
+
+def test_bytes_resolve_before_the_token_string(tmp_path, tokenizer):
+    entry = {"token": "<odd name>", "logprob": -0.5, "bytes": [55],
+             "top_logprobs": [{"token": "<odd name>", "logprob": -0.5, "bytes": [55]}, {"token": "8", "logprob": -1.0}]}
+    line = {"prompt_token_ids": [1], "choices": [{"message": {"content": "7"}, "logprobs": {"content": [entry]}}]}
+    path = tmp_path / "b.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    (resolved,) = resolve_ids(read_rollouts(path), tokenizer)
+    assert resolved.completion_ids == ids("7") and resolved.top_ids == [ids("78")] and resolved.notes == []
+
+
 GOOD_LOGPROBS = {"tokens": ["4"], "token_logprobs": [-0.1], "top_logprobs": [{"4": -0.1}]}
 MALFORMED = [
     ("{not json", r"not JSON \(.*\) — fix: write one JSON object per line"),
