@@ -152,8 +152,9 @@ def _read_prompt(where: str, obj: dict, response: dict, prefix: str):
 def _int_list(where: str, value, key: str) -> list[int] | None:
     if value is None:
         return None
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise _fail(where, "not a list of integer token ids", key, "store the ids the engine returned unchanged")
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                              for t in value):
+        raise _fail(where, "not a list of token ids (integers >= 0)", key, "store the engine's ids unchanged")
     return list(value)
 
 
@@ -305,15 +306,19 @@ def _resolve_one(c: EngineCompletion, tokenizer, token_map) -> ResolvedCompletio
                 values.append(value)
         top_ids.append(ids)
         top_logp.append(values)
+    size = len(tokenizer)
+    outside = next((t for t in [*prompt_ids, *completion_ids, *(t for row in top_ids for t in row)] if t >= size), None)
+    if outside is not None:
+        raise _fail(where, f"token id {outside} is outside the tokenizer's vocabulary of {size}",
+                    f"choices[{c.choice}]", "verify with the tokenizer of the model the engine served")
     notes = _consistency_notes(c, tokenizer, completion_ids, top_ids, top_logp, where)
     return ResolvedCompletion(c.line, c.choice, prompt_ids, completion_ids, list(c.logprobs), top_ids, top_logp,
                               notes)
 
 
 def _top_key(c: EngineCompletion, j: int, m: int) -> str:
-    if c.shape == "chat":
-        return f"choices[{c.choice}].logprobs.content[{j}].top_logprobs[{m}]"
-    return f"choices[{c.choice}].logprobs.top_logprobs[{j}] entry {m}"
+    inner = f"content[{j}].top_logprobs[{m}]" if c.shape == "chat" else f"top_logprobs[{j}] entry {m}"
+    return f"choices[{c.choice}].logprobs.{inner}"
 
 
 class _TokenMap:

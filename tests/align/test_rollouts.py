@@ -87,6 +87,17 @@ def test_token_id_strings_without_a_token_ids_list(tmp_path, tokenizer):
     assert resolved.notes == []  # decodes to "7x", the choice's text
 
 
+def test_token_id_outside_the_vocabulary_is_refused(tmp_path, tokenizer):
+    line = {"prompt_token_ids": [1], "choices": [{"logprobs": {
+        "tokens": ["token_id:4"], "token_logprobs": [-0.5],
+        "top_logprobs": [{"token_id:4": -0.5, "token_id:100": -2}]}}]}
+    path = tmp_path / "ids.jsonl"
+    path.write_text(json.dumps(line) + "\n")
+    with pytest.raises(InputFileError, match=r":1: token id 100 is outside the tokenizer's vocabulary of 100 "
+                                             r"\(choices\[0\]\) — fix: verify with the tokenizer"):
+        resolve_ids(read_rollouts(path), tokenizer)
+
+
 def test_decode_mismatch_and_inconsistent_logprob_are_noted(tmp_path, tokenizer):
     line = {"prompt": "1+1=", "choices": [{"text": "3", "logprobs": {
         "tokens": ["2"], "token_logprobs": [-0.5], "top_logprobs": [{"2": -0.9}]}}]}
@@ -206,6 +217,8 @@ MALFORMED = [
     (json.dumps({"prompt": "x", "choices": [{"logprobs": {"content": [
         {"token": "4", "logprob": -0.1, "top_logprobs": [{"token": "5", "logprob": 2.0}]}]}}]}),
      r"top logprob 2\.0 is not a log-probability .*content\[0\]\.top_logprobs\[0\]"),
+    (json.dumps({"prompt_token_ids": [1, -2], "choices": [{"logprobs": GOOD_LOGPROBS}]}),
+     r"not a list of token ids \(integers >= 0\) \(prompt_token_ids\)"),
     (json.dumps({"choices": [{"logprobs": GOOD_LOGPROBS}]}), r"no prompt \(prompt \| messages \| prompt_token_ids\)"),
     (json.dumps({"prompt": "x", "choices": [{"token_ids": [4, 5], "logprobs": GOOD_LOGPROBS}]}),
      r"2 token_ids but 1 tokens \(choices\[0\]\.token_ids\)"),
