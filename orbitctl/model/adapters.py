@@ -100,6 +100,10 @@ def attach_lora(model, section, hidden_size: int, *, seed: int):
     config = LoraConfig(
         r=rank, lora_alpha=section.alpha if section.alpha is not None else 2 * rank,
         lora_dropout=section.dropout, target_modules=modules, bias="none", task_type="CAUSAL_LM")
+    from orbitctl.model.quant_linear import QuantLinear
+
+    # INT4/FP8 layers are our own modules: PEFT wraps them through its custom-module hook
+    config._register_custom_module({QuantLinear: _quant_lora_layer()})
     torch.manual_seed(seed)  # LoRA A init draws from the global generator
     peft_model = get_peft_model(model, config, autocast_adapter_dtype=False)
     dtype = torch.bfloat16 if section.dtype == "bf16" else torch.float32
@@ -107,6 +111,20 @@ def attach_lora(model, section, hidden_size: int, *, seed: int):
         if "lora_" in name:
             param.data = param.data.to(dtype)
     return peft_model, AdapterReport("lora", modules, _count_trainable(peft_model), rank)
+
+
+def _quant_lora_layer():
+    """PEFT's LoRA ``Linear`` over a frozen :class:`QuantLinear`: y = base(x) + B(A(dropout(x)))·scale."""
+    from peft.tuners.lora.layer import Linear
+
+    class QuantLinearLora(Linear):
+        def _get_in_out_features(self, module):
+            return module.in_features, module.out_features
+
+        def merge(self, *args, **kwargs):
+            raise ValueError("the base is quantized: its adapters stay unmerged (the adapter-first method)")
+
+    return QuantLinearLora
 
 
 def _count_trainable(model) -> int:
@@ -142,7 +160,7 @@ def attach_bottleneck(model, section, hidden_size: int, *, seed: int):
     """Insert a bottleneck adapter after every decoder layer's MLP."""
     import torch
 
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model)
     dim = adapter_dim(section.rank, hidden_size)
     dtype = torch.bfloat16 if section.dtype == "bf16" else torch.float32
     cls = _bottleneck_cls()
@@ -154,7 +172,7 @@ def attach_bottleneck(model, section, hidden_size: int, *, seed: int):
     return model, AdapterReport("bottleneck", names, _count_trainable(model), dim)
 
 
-def _decoder_layers(model):
+def decoder_layers(model):
     inner = getattr(model, "model", model)
     layers = getattr(inner, "layers", None)
     if layers is None:

@@ -32,6 +32,8 @@ class Samples:
     completion_mask: "torch.Tensor"     # [B, T] 1 on sampled tokens, EOS included
     logprobs: "torch.Tensor"            # [B, T] infer-path log-prob of each sampled token
     dist: "torch.Tensor | None"         # [B, T, V] infer-path log-distribution, when kept
+    logits: "torch.Tensor | None" = None  # [B, T, V] temperature-scaled logits, when kept
+    hidden: "torch.Tensor | None" = None  # [B, T, L+1, H] hidden states that predicted each token, when kept
 
 
 def position_ids_for(mask):
@@ -89,8 +91,13 @@ class Policy:
         return enc["input_ids"], enc["attention_mask"]
 
     def sample(self, prompt_ids, prompt_mask, *, max_new_tokens: int, temperature: float, top_p: float,
-               generator, keep_dist: bool = False) -> Samples:
-        """Sample one completion per row; temperature 0 is greedy."""
+               generator, keep_dist: bool = False, keep_logits: bool = False,
+               keep_hidden: bool = False) -> Samples:
+        """Sample one completion per row; temperature 0 is greedy.
+
+        ``keep_logits`` / ``keep_hidden`` record, per generated token, the scaled logits and the
+        hidden state of every layer at the position that predicted it (verify-alignment).
+        """
         import torch
 
         self.model.eval()
@@ -98,13 +105,17 @@ class Policy:
         with torch.no_grad():
             mask = prompt_mask.clone()
             out = self.model(input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids_for(mask),
-                             use_cache=True)
+                             use_cache=True, output_hidden_states=keep_hidden)
             cache, logits = getattr(out, self._cache_kw), out.logits[:, -1, :]
             next_pos = mask.sum(-1, keepdim=True)
             finished = torch.zeros(batch, dtype=torch.bool)
-            tokens, logps, keep, dists = [], [], [], []
+            tokens, logps, keep, dists, raw, hidden = [], [], [], [], [], []
             for _ in range(max_new_tokens):
                 scaled = logits.float() / (temperature if temperature > 0 else 1.0)
+                if keep_logits:
+                    raw.append(scaled)
+                if keep_hidden:
+                    hidden.append(torch.stack([h[:, -1, :].float() for h in out.hidden_states], dim=1))
                 logdist = torch.log_softmax(scaled, dim=-1)
                 if temperature > 0:
                     probs = torch.softmax(_top_p_filter(scaled, top_p), dim=-1)
@@ -123,11 +134,12 @@ class Policy:
                     break
                 mask = torch.cat([mask, alive.long()[:, None]], dim=-1)
                 out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos,
-                                 use_cache=True, **{self._cache_kw: cache})
+                                 use_cache=True, output_hidden_states=keep_hidden, **{self._cache_kw: cache})
                 cache, logits = getattr(out, self._cache_kw), out.logits[:, -1, :]
                 next_pos = next_pos + 1
         return Samples(prompt_ids, prompt_mask, torch.stack(tokens, 1), torch.stack(keep, 1),
-                       torch.stack(logps, 1), torch.stack(dists, 1) if keep_dist else None)
+                       torch.stack(logps, 1), torch.stack(dists, 1) if keep_dist else None,
+                       torch.stack(raw, 1) if keep_logits else None, torch.stack(hidden, 1) if keep_hidden else None)
 
     def decode(self, completion_ids, completion_mask) -> list[str]:
         rows = []
@@ -136,16 +148,24 @@ class Policy:
         return rows
 
     # -- train path ----------------------------------------------------------------------
-    def completion_logits(self, prompt_ids, prompt_mask, completion_ids, completion_mask, *, train: bool = True):
-        """Logits that predict each completion token, [B, T, V], from one full-sequence forward."""
+    def completion_logits(self, prompt_ids, prompt_mask, completion_ids, completion_mask, *, train: bool = True,
+                          with_hidden: bool = False):
+        """Logits that predict each completion token, [B, T, V], from one full-sequence forward.
+
+        ``with_hidden`` also returns the hidden states at the same positions, [B, T, L+1, H].
+        """
         import torch
 
         ids = torch.cat([prompt_ids, completion_ids], dim=1)
         mask = torch.cat([prompt_mask, completion_mask], dim=1)
         self.model.train(train)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=False)
-        start = prompt_ids.shape[1] - 1
-        return out.logits[:, start:start + completion_ids.shape[1], :]
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=False,
+                         output_hidden_states=with_hidden)
+        start, length = prompt_ids.shape[1] - 1, completion_ids.shape[1]
+        logits = out.logits[:, start:start + length, :]
+        if not with_hidden:
+            return logits
+        return logits, torch.stack([h[:, start:start + length, :].float() for h in out.hidden_states], dim=2)
 
     def reference_logits(self, prompt_ids, prompt_mask, completion_ids, completion_mask):
         """The reference policy (adapters disabled, no grad): no second copy of the model."""

@@ -281,7 +281,13 @@ class AlignmentSection(Section):
     top_k: int = Field(5, ge=1, le=1000)
     """k for top-k agreement."""
     top_k_agreement_min: float = Field(0.9, ge=0.0, le=1.0)
-    """Gate: share of positions whose top-k token sets agree."""
+    """Gate: mean share of the top-k tokens the two paths have in common."""
+    top1_agreement_min: float = Field(0.95, ge=0.0, le=1.0)
+    """Gate: share of positions where both paths put the same token first."""
+    k3_kl_warn: float = Field(1e-3, gt=0.0)
+    """Warning level: mean sampled-token k3 estimate of KL(infer || train)."""
+    prob_diff_warn: float = Field(0.005, gt=0.0)
+    """Warning level: mean |p_train - p_infer| of the sampled token."""
     num_prompts: int = Field(32, ge=1)
     """Prompts used by verify-alignment."""
 

@@ -1,0 +1,217 @@
+"""The internal check: the profile's own policy on its infer path against its train path.
+
+The infer path (:meth:`Policy.sample`: eval mode, KV cache, one token at a time) generates
+completions for the prompts and records, for every generated token, the full distribution
+it sampled from. The train path (:meth:`Policy.completion_logits`: the trainer's
+full-sequence forward, checkpointing on) then recomputes the same tokens in one pass. Both
+sides are temperature-scaled the way the trainer scales them, so what is compared is the
+distribution the rollout sampled from against the one the loss differentiates.
+
+By default the two paths share one model: the adapter-first premise (same quantized weights,
+same unmerged adapter). ``infer_quant`` serves the infer path from a copy of the same source
+weights stored in another format, and ``perturb`` scales one layer's norm weights on that
+copy: the what-if and the injected fault the gates must catch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from orbitctl.errors import InputFileError, UserError
+
+INFER_FORMATS = ("nf4", "fp4", "int4", "fp8", "bf16")
+JUMP_FLOOR = 0.01
+"""A layer is named as where the paths part only when its relative error reaches 1%."""
+
+
+@dataclass(frozen=True)
+class Perturbation:
+    """Multiply one decoder layer's input-norm weights by (1 + scale * N(0, 1)) on the infer copy."""
+
+    layer: int
+    scale: float
+    seed: int = 0
+
+
+@dataclass
+class LayerError:
+    index: int
+    name: str
+    rel_error: float
+    """||h_train - h_infer|| / ||h_train|| over every compared token."""
+
+
+@dataclass
+class InternalComparison:
+    table: object                    # orbitctl.align.metrics.TokenTable
+    train_path: str
+    infer_path: str
+    adapter: str
+    prompts: int
+    completions: int
+    layers: list[LayerError] | None = None
+    jump: LayerError | None = None
+    notes: list[str] = field(default_factory=list)
+    infer_token_logp: "object | None" = None
+    """Infer-path log-prob of each compared sampled token (float64 [N]), for the plot."""
+
+    def describe(self) -> dict:
+        doc = {"source": "internal", "train_path": self.train_path, "infer_path": self.infer_path,
+               "adapter": self.adapter, "prompts": self.prompts, "completions": self.completions}
+        if self.layers is not None:
+            doc["per_layer"] = [{"index": e.index, "name": e.name, "rel_error": e.rel_error} for e in self.layers]
+            doc["first_jump"] = None if self.jump is None else {"index": self.jump.index, "name": self.jump.name,
+                                                               "rel_error": self.jump.rel_error}
+        return doc
+
+
+def resolve_adapter(profile, adapter: str | Path | None) -> Path | None:
+    """The adapter to load: ``adapter``, else the run's final adapter, else its newest checkpoint's."""
+    from orbitctl.rl.checkpoint import latest_checkpoint
+
+    if adapter is not None:
+        path = Path(adapter)
+        if not path.is_dir():
+            raise InputFileError(f"{path}: no such adapter directory",
+                                 fix="pass --adapter runs/NAME/adapter (written by orbitctl train)")
+        return path
+    run_dir = Path(profile.run_dir)
+    if (run_dir / "adapter").is_dir():
+        return run_dir / "adapter"
+    latest = latest_checkpoint(run_dir)
+    return latest[1] / "adapter" if latest else None
+
+
+def load_adapter_into(policy, path: Path, kind: str) -> None:
+    from orbitctl.model.adapters import load_adapter_weights
+
+    expected = "adapter_model.safetensors" if kind == "lora" else "bottleneck.safetensors"
+    if not (path / expected).exists():
+        raise InputFileError(f"{path}: no {expected} (adapter.kind is {kind})",
+                             fix="point --adapter at the adapter/ directory of a run of this profile")
+    try:
+        load_adapter_weights(policy.model, path, kind)
+    except (RuntimeError, KeyError, ValueError) as exc:
+        raise InputFileError(f"{path}: does not fit this profile's adapter ({str(exc).splitlines()[0]})",
+                             fix="use the adapter of a run of this profile (same arch, adapter.kind, rank, targets)") from exc
+
+
+def _with_format(profile, fmt: str):
+    quant = profile.quant.model_copy(update={"format": "none" if fmt == "bf16" else fmt})
+    if fmt in ("int4", "nf4", "fp4") and quant.group_size not in (32, 64, 128):
+        quant = quant.model_copy(update={"group_size": 64})
+    return profile.model_copy(update={"quant": quant})
+
+
+def _perturb(policy, perturbation: Perturbation) -> None:
+    import torch
+
+    from orbitctl.model.adapters import decoder_layers
+
+    layers = decoder_layers(policy.model.get_base_model() if hasattr(policy.model, "get_base_model") else policy.model)
+    if not 0 <= perturbation.layer < len(layers):
+        raise UserError(f"--perturb-layer {perturbation.layer}: the model has layers 0..{len(layers) - 1}",
+                        fix="pick a layer index in range")
+    norm = layers[perturbation.layer].input_layernorm.weight
+    noise = torch.randn(norm.shape, generator=torch.Generator().manual_seed(perturbation.seed))
+    with torch.no_grad():
+        norm.mul_(1 + perturbation.scale * noise.to(norm.dtype))
+
+
+def _layer_names(n_states: int) -> list[str]:
+    # hidden_states[0] is the embedding output, [i] the output of decoder layer i-1
+    return ["embeddings"] + [f"layers.{i}" for i in range(n_states - 1)]
+
+
+def first_jump(errors: list[LayerError], floor: float = JUMP_FLOOR) -> LayerError | None:
+    """The first layer whose error reaches ``floor`` and at least doubles the layer before's."""
+    previous = 0.0
+    for e in errors:
+        if e.rel_error >= floor and e.rel_error >= 2 * previous:
+            return e
+        previous = e.rel_error
+    return None
+
+
+def compare_internal(profile, *, adapter: str | Path | None = None, prompts: list[str] | None = None,
+                     infer_quant: str | None = None, per_layer: bool = False,
+                     perturb: Perturbation | None = None, batch_size: int = 16,
+                     on_progress: Callable[[int, int], None] | None = None) -> InternalComparison:
+    """Generate on the infer path, recompute on the train path, compare every generated token."""
+    import torch
+
+    from orbitctl.align.tokens import TokenTable
+    from orbitctl.model.prepare import load_policy, prepare_frozen_base
+    from orbitctl.rl.data import load_prompts
+
+    if infer_quant is not None and infer_quant not in INFER_FORMATS:
+        raise UserError(f"--infer-quant {infer_quant}: unknown format", fix=f"use one of {', '.join(INFER_FORMATS)}")
+    notes: list[str] = []
+    split = load_prompts(profile.data, profile.run.seed)
+    if prompts is None:
+        prompts = [item.prompt for item in split.eval[:profile.alignment.num_prompts]]
+    if not prompts:
+        raise UserError("no prompts to compare", fix="pass --prompts FILE.jsonl or set data.eval")
+    torch.manual_seed(profile.run.seed)
+    base = prepare_frozen_base(profile, split.task)
+    train_policy = load_policy(profile, base)
+    adapter_dir = resolve_adapter(profile, adapter)
+    if adapter_dir is None:
+        notes.append("no trained adapter found (run dir has none): the adapters are freshly initialised")
+    else:
+        load_adapter_into(train_policy, adapter_dir, profile.adapter.kind)
+    train_fmt = profile.quant.format if profile.quant.format != "none" else "bf16"
+    infer_policy, infer_desc = train_policy, f"{train_fmt}, same weights (KV-cache decoding)"
+    if infer_quant is not None or perturb is not None:
+        infer_profile = _with_format(profile, infer_quant or train_fmt)
+        if infer_quant is not None and profile.model.quantized_path and not profile.model.path:
+            raise UserError("--infer-quant: the profile names only model.quantized_path",
+                            fix="set model.path to the unquantized checkpoint so it can be stored in another format")
+        infer_base = prepare_frozen_base(infer_profile, split.task)
+        infer_policy = load_policy(infer_profile, infer_base)
+        if adapter_dir is not None:
+            load_adapter_into(infer_policy, adapter_dir, profile.adapter.kind)
+        infer_desc = f"{infer_quant or train_fmt}, a separate copy"
+        if perturb is not None:
+            _perturb(infer_policy, perturb)
+            infer_desc += f", layer {perturb.layer} norm perturbed x(1 + {perturb.scale:g}*N(0,1))"
+
+    temperature = profile.rollout.temperature
+    table = TokenTable(k=profile.alignment.top_k)
+    generator = torch.Generator().manual_seed(profile.run.seed * 7919 + 17)
+    sq_diff = sq_norm = None
+    infer_logp = []
+    completions = 0
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        ids, mask = infer_policy.encode_prompts(chunk)
+        samples = infer_policy.sample(ids, mask, max_new_tokens=profile.rollout.max_new_tokens,
+                                      temperature=temperature, top_p=profile.rollout.top_p, generator=generator,
+                                      keep_logits=True, keep_hidden=per_layer)
+        with torch.no_grad():
+            out = train_policy.completion_logits(samples.prompt_ids, samples.prompt_mask, samples.completion_ids,
+                                                 samples.completion_mask, train=True, with_hidden=per_layer)
+        train_logits, train_hidden = out if per_layer else (out, None)
+        train_logits = train_logits.float() / (temperature if temperature > 0 else 1.0)
+        keep = samples.completion_mask.bool()
+        table.add(train_logits[keep], samples.logits[keep], samples.completion_ids[keep])
+        infer_logp.append(samples.logprobs[keep].double())
+        completions += len(chunk)
+        if per_layer:
+            diff = ((train_hidden - samples.hidden)[keep].double() ** 2).sum(dim=(0, 2))
+            norm = (train_hidden[keep].double() ** 2).sum(dim=(0, 2))
+            sq_diff = diff if sq_diff is None else sq_diff + diff
+            sq_norm = norm if sq_norm is None else sq_norm + norm
+        if on_progress:
+            on_progress(min(start + batch_size, len(prompts)), len(prompts))
+    result = InternalComparison(table, f"{train_fmt}, full-sequence forward (train mode, checkpointing "
+                                       f"{'on' if profile.memory.gradient_checkpointing else 'off'})",
+                                infer_desc, str(adapter_dir) if adapter_dir else "fresh (untrained)",
+                                len(prompts), completions, notes=notes, infer_token_logp=torch.cat(infer_logp))
+    if per_layer:
+        rel = (sq_diff / sq_norm.clamp_min(1e-300)).sqrt().tolist()
+        result.layers = [LayerError(i, name, float(e)) for i, (name, e) in enumerate(zip(_layer_names(len(rel)), rel))]
+        result.jump = first_jump(result.layers)
+    return result

@@ -1,0 +1,192 @@
+"""`verify-alignment` as a library call: pick the source, compare, judge.
+
+Sources of per-token comparisons (one per call):
+  * internal (default): :func:`orbitctl.align.internal.compare_internal`;
+  * an engine's rollouts (OpenAI-compatible logprobs JSONL): the train path recomputes the
+    engine's tokens; metrics on the engine's top-K plus a tail bucket;
+  * two logit dumps ``A`` (train side) and ``B`` (infer side), streamed chunk by chunk.
+A training run's ``metrics.jsonl`` (``run``) adds entropy stability and the online mismatch
+trend, alone or next to a token source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from orbitctl.align.verdict import Gate, judge_run, judge_tokens, overall
+from orbitctl.errors import UserError
+
+
+@dataclass
+class AlignmentReport:
+    source: dict
+    gates: list[Gate]
+    summary: dict | None = None
+    tokens: int = 0
+    run: dict | None = None
+    notes: list[str] = field(default_factory=list)
+    table: object | None = None          # the TokenTable, for plots
+    infer_token_logp: object | None = None
+    layers: list | None = None
+
+    @property
+    def verdict(self) -> str:
+        return overall(self.gates)
+
+    def to_dict(self) -> dict:
+        return {"verdict": self.verdict, "source": self.source, "tokens": self.tokens,
+                "gates": [g.to_dict() for g in self.gates], "metrics": self.summary, "run": self.run,
+                "notes": self.notes}
+
+
+ProgressFn = Callable[[str, int, int], None]
+
+
+def verify_alignment(profile, *, adapter: str | None = None, prompts_file: str | None = None,
+                     rollouts: str | None = None, logits_a: str | None = None, logits_b: str | None = None,
+                     run: str | None = None, infer_quant: str | None = None, per_layer: bool = False,
+                     perturb=None, engine_temperature: float = 1.0,
+                     on_progress: ProgressFn | None = None) -> AlignmentReport:
+    """Compare the train path with the infer path (or a run's record) and judge the gates.
+
+    ``profile`` may be None for logit dumps and runs (default gates apply then).
+    """
+    from orbitctl.profile.schema import AlignmentSection
+
+    alignment = profile.alignment if profile is not None else AlignmentSection()
+    if (logits_a is None) != (logits_b is None):
+        raise UserError("--logits-a and --logits-b go together", fix="pass both dumps, A = train side, B = infer side")
+    sources = [name for name, given in (("rollouts", rollouts), ("dumps", logits_a)) if given]
+    if len(sources) > 1:
+        raise UserError(f"one token source at a time (got {' and '.join(sources)})",
+                        fix="run verify-alignment once per source")
+    if (infer_quant or per_layer or perturb) and sources:
+        raise UserError("--infer-quant and --per-layer apply to the internal check only",
+                        fix="drop them, or drop --rollouts/--logits-a")
+    token_source = sources[0] if sources else (None if run and not (prompts_file or adapter or infer_quant or per_layer)
+                                               else "internal")
+    if token_source in ("internal", "rollouts") and profile is None:
+        raise UserError(f"the {token_source} check needs a PROFILE (the model to run)",
+                        fix="orbitctl verify-alignment PROFILE ...")
+    report = AlignmentReport(source={}, gates=[])
+    if token_source == "internal":
+        prompts = None
+        if prompts_file:
+            from orbitctl.rl.data import read_jsonl
+
+            prompts = [item.prompt for item in read_jsonl(prompts_file)][:alignment.num_prompts]
+        from orbitctl.align.internal import compare_internal
+
+        result = compare_internal(profile, adapter=adapter, prompts=prompts, infer_quant=infer_quant,
+                                  per_layer=per_layer, perturb=perturb,
+                                  on_progress=(lambda d, t: on_progress("compare", d, t)) if on_progress else None)
+        report.source, report.table, report.notes = result.describe(), result.table, list(result.notes)
+        report.infer_token_logp, report.layers = result.infer_token_logp, result.layers
+    elif token_source == "rollouts":
+        _from_rollouts(report, profile, rollouts, engine_temperature, on_progress)
+    elif token_source == "dumps":
+        _from_dumps(report, alignment, logits_a, logits_b, on_progress)
+    if report.table is not None:
+        if report.table.n_tokens == 0:
+            raise UserError("no tokens were compared", fix="check the prompts produce completions (rollout.max_new_tokens)")
+        report.tokens = report.table.n_tokens
+        report.summary = report.table.summary()
+        report.gates += judge_tokens(report.summary, alignment)
+    if run:
+        _from_run(report, run, alignment)
+    return report
+
+
+def _from_run(report: AlignmentReport, run: str, alignment) -> None:
+    from orbitctl.align.runlog import entropy_stability, mismatch_trends, read_metrics
+
+    records = read_metrics(run)
+    stability = entropy_stability(records, alignment.entropy_window, source=str(Path(run) / "metrics.jsonl"))
+    trends = mismatch_trends(records, source=str(Path(run) / "metrics.jsonl"))
+    report.run = {"dir": str(run), "steps": stability.steps, "entropy_window": stability.window,
+                  "entropy_fluctuation": stability.worst_fluctuation, "worst_window": list(stability.worst_window),
+                  "full_windows": stability.full_windows,
+                  "mismatch_trends": [vars(t) for t in trends]}
+    if not stability.full_windows:
+        report.notes.append(f"the run logged {stability.steps} steps, fewer than alignment.entropy_window="
+                            f"{stability.window}: entropy stability is judged on all of them")
+    report.gates += judge_run(stability.worst_fluctuation, {t.metric: t.last for t in trends}, alignment)
+
+
+def _from_dumps(report: AlignmentReport, alignment, path_a: str, path_b: str, on_progress) -> None:
+    import torch
+
+    from orbitctl.align.dumps import check_pair, iter_rows, open_dump
+    from orbitctl.align.metrics import rows_per_chunk
+    from orbitctl.align.tokens import TokenTable
+
+    a, b = open_dump(path_a), open_dump(path_b)
+    check_pair(a, b)
+    table = TokenTable(k=min(alignment.top_k, a.vocab))
+    rows = rows_per_chunk(a.vocab)
+    infer_logp = []
+    for (start, la, ids_a), (_, lb, ids_b) in zip(iter_rows(a, rows), iter_rows(b, rows)):
+        ids = ids_a if ids_a is not None else ids_b
+        table.add(la, lb, None if ids is None else ids.long())
+        if ids is not None:
+            infer_logp.append(torch.log_softmax(lb.double(), -1).gather(-1, ids.long()[:, None]).squeeze(-1))
+        if on_progress:
+            on_progress("compare", start + la.shape[0], a.n_tokens)
+    report.source = {"source": "dumps", "train_side": str(a.path), "infer_side": str(b.path), "vocab": a.vocab,
+                     "dtypes": [a.dtype, b.dtype], "token_ids": a.has_token_ids or b.has_token_ids}
+    if not (a.has_token_ids or b.has_token_ids):
+        report.notes.append("no token_ids in either dump: the sampled-token metrics (|dp|, |dlog p|, k3) are not computed")
+    report.table = table
+    report.infer_token_logp = torch.cat(infer_logp) if infer_logp else None
+
+
+def _from_rollouts(report: AlignmentReport, profile, path: str, temperature: float, on_progress) -> None:
+    import torch
+
+    from orbitctl.align.internal import load_adapter_into, resolve_adapter
+    from orbitctl.align.metrics import COARSE_GRAIN_NOTE, topk_tail_metrics
+    from orbitctl.align.rollouts import read_rollouts, resolve_ids
+    from orbitctl.align.tokens import TokenTable
+    from orbitctl.model.prepare import load_policy, prepare_frozen_base
+    from orbitctl.rl.data import load_prompts
+
+    completions = read_rollouts(path)  # a bad file fails before any model work
+    split = load_prompts(profile.data, profile.run.seed)
+    policy = load_policy(profile, prepare_frozen_base(profile, split.task))
+    adapter_dir = resolve_adapter(profile, None)
+    if adapter_dir is not None:
+        load_adapter_into(policy, adapter_dir, profile.adapter.kind)
+    resolved = resolve_ids(completions, policy.tokenizer)
+    k_engine = min((len(ids) for r in resolved for ids in r.top_ids if ids), default=0)
+    if k_engine == 0:
+        raise UserError(f"{path}: the engine returned no top_logprobs", fix="request top_logprobs (K >= 1)")
+    k = min(profile.alignment.top_k, k_engine)
+    table, infer_logp = TokenTable(k=k), []
+    for i, r in enumerate(resolved):
+        if not r.completion_ids:
+            continue
+        prompt = torch.tensor([r.prompt_ids])
+        completion = torch.tensor([r.completion_ids])
+        with torch.no_grad():
+            logits = policy.completion_logits(prompt, torch.ones_like(prompt), completion, torch.ones_like(completion),
+                                              train=True)[0].float() / temperature
+        width = max(len(ids) for ids in r.top_ids)
+        top_ids = torch.full((len(r.top_ids), width), -1, dtype=torch.long)
+        top_logp = torch.full((len(r.top_ids), width), float("-inf"), dtype=torch.float64)
+        for j, (ids, lps) in enumerate(zip(r.top_ids, r.top_logp)):
+            top_ids[j, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            top_logp[j, :len(lps)] = torch.tensor(lps, dtype=torch.float64)
+        sampled_logp = torch.tensor(r.sampled_logp, dtype=torch.float64)
+        table.add_values(topk_tail_metrics(logits, top_ids, top_logp, completion[0], sampled_logp, k=k))
+        infer_logp.append(sampled_logp)
+        report.notes += r.notes
+        if on_progress:
+            on_progress("compare", i + 1, len(resolved))
+    report.source = {"source": "rollouts", "file": str(path), "completions": len(resolved),
+                     "engine_top_k": k_engine, "adapter": str(adapter_dir) if adapter_dir else "fresh (untrained)",
+                     "engine_temperature": temperature}
+    report.notes.append(COARSE_GRAIN_NOTE)
+    report.table = table
+    report.infer_token_logp = torch.cat(infer_logp) if infer_logp else None
