@@ -146,7 +146,9 @@ def test_help_does_not_import_torch():
     {"memory.zero_stage": 3},
     {"memory.zero_stage": 0, "rl.lr_schedule": "cosine", "rl.warmup_steps": 1, "rl.align_loss.kind": "none"},
     {"adapter.kind": "bottleneck", "adapter.rank": "auto"},
-], ids=["ppo-2x2", "icepop-refkl", "zero3", "zero0-cosine-noalign", "bottleneck"])
+    {"quant.format": "int4", "quant.group_size": 32},
+    {"quant.format": "fp8", "memory.zero_stage": 3},
+], ids=["ppo-2x2", "icepop-refkl", "zero3", "zero0-cosine-noalign", "bottleneck", "lora-on-int4", "lora-on-fp8-zero3"])
 def test_profile_variants_train(small_profile, overrides):
     from orbitctl.rl.trainer import train
 
