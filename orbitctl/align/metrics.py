@@ -107,23 +107,26 @@ def token_metrics(train_logits: torch.Tensor, infer_logits: torch.Tensor, sample
     """
     n, vocab = _check_pair(train_logits, infer_logits)
     if k < 1:
-        raise ValueError(f"k must be >= 1 (got {k})")
+        raise UserError(f"top-k overlap needs k >= 1 (got {k})", fix="set alignment.top_k to 1 or more")
     if sampled_ids is not None:
-        _check_ids(sampled_ids, n, vocab, "sampled_ids")
+        _check_ids(sampled_ids, (n,), vocab, "sampled_ids")
     step = rows_per_chunk(vocab, chunk_bytes)
     parts = [
         _token_metrics_rows(train_logits[s:s + step], infer_logits[s:s + step],
-                            None if sampled_ids is None else sampled_ids[s:s + step], k)
+                            None if sampled_ids is None else sampled_ids[s:s + step], k, s)
         for s in range(0, n, step)
     ]
     names = [m for m in TOKEN_METRICS if sampled_ids is not None or m not in SAMPLED_METRICS]
     return _concat(parts, names)
 
 
-def _token_metrics_rows(train: torch.Tensor, infer: torch.Tensor, sampled: torch.Tensor | None, k: int) -> dict:
-    # private float64 copies: they are turned into log-probabilities in place below
-    a = train.detach().to("cpu", torch.float64, copy=True)
-    b = infer.detach().to("cpu", torch.float64, copy=True)
+def _token_metrics_rows(train: torch.Tensor, infer: torch.Tensor, sampled: torch.Tensor | None, k: int,
+                        first_row: int = 0) -> dict:
+    _check_logits(train, "train", first_row)
+    _check_logits(infer, "infer", first_row)
+    # private float64 copies on the input's device: they become log-probabilities in place below
+    a = train.detach().to(torch.float64, copy=True)
+    b = infer.detach().to(a.device, torch.float64, copy=True)
     out = {"logit_l1": _masked_mean_abs(a, b)}
     out["top1_agree"] = _top1_agree(a, b)
     out["topk_overlap"] = _topk_overlap(a, b, k)
@@ -134,7 +137,7 @@ def _token_metrics_rows(train: torch.Tensor, infer: torch.Tensor, sampled: torch
     out["entropy_train"] = _entropy(a)
     out["entropy_infer"] = _entropy(b)
     if sampled is not None:
-        y = sampled.to("cpu", torch.long)[:, None]
+        y = sampled.to(a.device, torch.long)[:, None]
         out.update(_sampled(a.gather(1, y)[:, 0], b.gather(1, y)[:, 0]))
     return out
 
@@ -216,7 +219,7 @@ def _sampled(lpa_y: torch.Tensor, lpb_y: torch.Tensor) -> dict[str, torch.Tensor
 def _concat(parts: list[dict], names: list[str]) -> dict[str, torch.Tensor]:
     if not parts:
         return {m: torch.zeros(0, dtype=torch.float64) for m in names}
-    return {m: torch.cat([p[m] for p in parts]) for m in names if m in parts[0]}
+    return {m: torch.cat([p[m] for p in parts]).cpu() for m in names if m in parts[0]}
 
 
 def _check_pair(train_logits: torch.Tensor, infer_logits: torch.Tensor) -> tuple[int, int]:
@@ -224,25 +227,26 @@ def _check_pair(train_logits: torch.Tensor, infer_logits: torch.Tensor) -> tuple
         raise UserError(f"train and infer logits must both be [tokens, vocab] of one shape "
                         f"(got {tuple(train_logits.shape)} and {tuple(infer_logits.shape)})")
     for name, x in (("train", train_logits), ("infer", infer_logits)):
-        _check_logits(x, name)
+        if not x.is_floating_point():
+            raise UserError(f"{name} logits must be floating point (got {x.dtype})")
     return train_logits.shape[0], train_logits.shape[1]
 
 
-def _check_logits(x: torch.Tensor, name: str) -> None:
-    if not x.is_floating_point():
-        raise UserError(f"{name} logits must be floating point (got {x.dtype})")
+def _check_logits(x: torch.Tensor, name: str, first_row: int) -> None:
+    """Called per chunk, so the boolean temporaries stay chunk-sized too."""
     bad = torch.isnan(x) | torch.isposinf(x)
     if bad.any():
-        row = int(bad.any(-1).nonzero()[0, 0])
+        row = first_row + int(bad.any(-1).nonzero()[0, 0])
         raise UserError(f"{name} logits row {row} holds NaN or +inf; only -inf (a masked entry) is allowed")
     dead = torch.isneginf(x).all(-1)
     if dead.any():
-        raise UserError(f"{name} logits row {int(dead.nonzero()[0, 0])} masks every vocabulary entry (all -inf)")
+        row = first_row + int(dead.nonzero()[0, 0])
+        raise UserError(f"{name} logits row {row} masks every vocabulary entry (all -inf)")
 
 
-def _check_ids(ids: torch.Tensor, n: int, vocab: int, name: str, *, allow_absent: bool = False) -> None:
-    if ids.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) or ids.shape[0] != n:
-        raise UserError(f"{name} must be integer token ids with {n} rows (got {ids.dtype} {tuple(ids.shape)})")
+def _check_ids(ids: torch.Tensor, shape: tuple[int, ...], vocab: int, name: str, *, allow_absent: bool = False) -> None:
+    if ids.is_floating_point() or ids.dtype == torch.bool or tuple(ids.shape) != shape:
+        raise UserError(f"{name} must be integer token ids of shape {shape} (got {ids.dtype} {tuple(ids.shape)})")
     low = -1 if allow_absent else 0
     if ids.numel() and (int(ids.min()) < low or int(ids.max()) >= vocab):
         raise UserError(f"{name} holds a token id outside [0, {vocab}) (min {int(ids.min())}, max {int(ids.max())})")
@@ -289,12 +293,13 @@ def topk_tail_metrics(train_logits: torch.Tensor, infer_ids: torch.Tensor, infer
     if train_logits.dim() != 2:
         raise UserError(f"train logits must be [tokens, vocab] (got {tuple(train_logits.shape)})")
     n, vocab = train_logits.shape
-    _check_logits(train_logits, "train")
+    if not train_logits.is_floating_point():
+        raise UserError(f"train logits must be floating point (got {train_logits.dtype})")
     if infer_ids.dim() != 2 or infer_logp.shape != infer_ids.shape:
         raise UserError(f"engine top-k ids and log-probs must both be [tokens, K] "
                         f"(got {tuple(infer_ids.shape)} and {tuple(infer_logp.shape)})")
-    _check_ids(infer_ids, n, vocab, "engine top-k ids", allow_absent=True)
-    _check_ids(sampled_ids, n, vocab, "sampled_ids")
+    _check_ids(infer_ids, (n, infer_ids.shape[1]), vocab, "engine top-k ids", allow_absent=True)
+    _check_ids(sampled_ids, (n,), vocab, "sampled_ids")
     if sampled_infer_logp.shape != (n,):
         raise UserError(f"sampled-token log-probs must be [{n}] (got {tuple(sampled_infer_logp.shape)})")
     if torch.isnan(infer_logp).any() or torch.isnan(sampled_infer_logp).any():
@@ -305,30 +310,33 @@ def topk_tail_metrics(train_logits: torch.Tensor, infer_ids: torch.Tensor, infer
     step = rows_per_chunk(vocab, chunk_bytes)
     parts = [
         _topk_tail_rows(train_logits[s:s + step], infer_ids[s:s + step], infer_logp[s:s + step],
-                        sampled_ids[s:s + step], sampled_infer_logp[s:s + step], k)
+                        sampled_ids[s:s + step], sampled_infer_logp[s:s + step], k, s)
         for s in range(0, n, step)
     ]
     return _concat(parts, [m for m in TOKEN_METRICS if m != "logit_l1"])
 
 
-def _topk_tail_rows(train, infer_ids, infer_logp, sampled, sampled_lp, k) -> dict[str, torch.Tensor]:
-    la = train.detach().to("cpu", torch.float64, copy=True)
+def _topk_tail_rows(train, infer_ids, infer_logp, sampled, sampled_lp, k, first_row=0) -> dict[str, torch.Tensor]:
+    _check_logits(train, "train", first_row)
+    la = train.detach().to(torch.float64, copy=True)
     la.sub_(torch.logsumexp(la, -1, keepdim=True))
-    vocab = la.shape[1]
-    sampled = sampled.to("cpu", torch.long)
-    ids = torch.cat([infer_ids.to("cpu", torch.long), sampled[:, None]], 1)
+    vocab, dev = la.shape[1], la.device
+    sampled = sampled.to(dev, torch.long)
+    ids = torch.cat([infer_ids.to(dev, torch.long), sampled[:, None]], 1)
     # a log-prob above 0 is the engine's rounding
-    sampled_lp = sampled_lp.to("cpu", torch.float64).clamp_max(0.0)
-    lpb = torch.cat([infer_logp.to("cpu", torch.float64).clamp_max(0.0), sampled_lp[:, None]], 1)
+    sampled_lp = sampled_lp.to(dev, torch.float64).clamp_max(0.0)
+    lpb = torch.cat([infer_logp.to(dev, torch.float64).clamp_max(0.0), sampled_lp[:, None]], 1)
     known = _first_occurrences(ids)
-    safe = torch.where(known, ids, 0)
+    # absent and repeated slots point at the sampled id, which is always known: scattering and
+    # gathering through them is harmless
+    safe = torch.where(known, ids, sampled[:, None])
     lpa = torch.where(known, la.gather(1, safe), -math.inf)
     lpb = torch.where(known, lpb, -math.inf)
 
-    # train tail: logsumexp over the complement of the known ids (scatter_add keeps repeated
-    # index 0 of absent slots harmless), never 1 - Σ, which loses every digit below 1e-16
-    hits = torch.zeros_like(la).scatter_add_(1, safe, known.to(torch.float64))
-    tail_a = torch.logsumexp(la.masked_fill(hits > 0, -math.inf), -1)
+    # train tail: logsumexp over the complement of the known ids, never 1 - Σ, which loses every
+    # digit below 1e-16
+    hits = torch.zeros(la.shape, dtype=torch.bool, device=dev).scatter_(1, safe, True)
+    tail_a = torch.logsumexp(la.masked_fill(hits, -math.inf), -1)
     del hits
     rest_b = 1.0 - lpb.exp().sum(-1)
     tail_b = torch.where(rest_b > 0, torch.log(rest_b.clamp_min(1e-300)),
@@ -351,7 +359,7 @@ def _topk_tail_rows(train, infer_ids, infer_logp, sampled, sampled_lp, k) -> dic
     out["top1_agree"] = (pick_b == best_b).to(torch.float64)
     unmasked = (~torch.isneginf(la)).sum(-1)
     k_eff = torch.minimum(unmasked, known.sum(-1)).clamp(max=k)
-    live = torch.arange(k)[None, :] < k_eff[:, None]
+    live = torch.arange(k, device=dev)[None, :] < k_eff[:, None]
     shared = (_topk_members(la, k_eff).gather(1, engine_top[:, :k]) & live).sum(-1)
     out["topk_overlap"] = shared.to(torch.float64) / k_eff.to(torch.float64)
     out.update(_sampled(la.gather(1, sampled[:, None])[:, 0], sampled_lp))
@@ -362,5 +370,5 @@ def _first_occurrences(ids: torch.Tensor) -> torch.Tensor:
     """True at each present id (>= 0) not already seen earlier in its row."""
     present = ids >= 0
     same = (ids[:, :, None] == ids[:, None, :]) & present[:, None, :]
-    earlier = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril(-1)
+    earlier = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device).tril(-1)
     return present & ~(same & earlier).any(-1)

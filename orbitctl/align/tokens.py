@@ -20,7 +20,13 @@ from collections.abc import Mapping
 
 import torch
 
-from orbitctl.align.metrics import DEFAULT_CHUNK_BYTES, TOKEN_METRICS, token_metrics
+from orbitctl.align.metrics import (
+    COARSE_GRAIN_NOTE,
+    DEFAULT_CHUNK_BYTES,
+    TOKEN_METRICS,
+    token_metrics,
+    topk_tail_metrics,
+)
 
 SUMMARY_STATS: tuple[str, ...] = ("mean", "p99", "max", "min")
 """The statistics :meth:`TokenTable.summary` gives for every metric."""
@@ -34,6 +40,8 @@ class TokenTable:
         self.chunk_bytes = chunk_bytes
         self._parts: dict[str, list[torch.Tensor]] = {}
         self._n_tokens = 0
+        self.coarse_grained = False
+        """True once values came from an engine's top-k log-probs (see COARSE_GRAIN_NOTE)."""
 
     @property
     def n_tokens(self) -> int:
@@ -51,6 +59,13 @@ class TokenTable:
         self.add_values(token_metrics(train_logits, infer_logits, sampled_ids, k=self.k,
                                       chunk_bytes=self.chunk_bytes))
 
+    def add_topk(self, train_logits: torch.Tensor, infer_ids: torch.Tensor, infer_logp: torch.Tensor,
+                 sampled_ids: torch.Tensor, sampled_infer_logp: torch.Tensor) -> None:
+        """Compare full train logits with an engine's top-K log-probs (see ``topk_tail_metrics``) and append."""
+        self.add_values(topk_tail_metrics(train_logits, infer_ids, infer_logp, sampled_ids, sampled_infer_logp,
+                                          k=self.k, chunk_bytes=self.chunk_bytes))
+        self.coarse_grained = True
+
     def add_values(self, values: Mapping[str, torch.Tensor]) -> None:
         """Append per-token values computed elsewhere: ``{metric: [N]}``; metrics not given stay absent.
 
@@ -63,10 +78,10 @@ class TokenTable:
             raise ValueError("add_values needs at least one metric")
         if self._parts and set(values) != set(self._parts):
             raise ValueError(f"this table holds {sorted(self._parts)}; a batch brought {sorted(values)}")
-        lengths = {name: tuple(v.shape) for name, v in values.items()}
-        n = next(iter(values.values())).shape[0] if values else 0
-        if any(len(shape) != 1 or shape[0] != n for shape in lengths.values()):
-            raise ValueError(f"per-token values must all be [N] of one length (got {lengths})")
+        shapes = {name: tuple(v.shape) for name, v in values.items()}
+        if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 1:
+            raise ValueError(f"per-token values must all be [N] of one length (got {shapes})")
+        n = next(iter(shapes.values()))[0]
         for name, v in values.items():
             self._parts.setdefault(name, []).append(v.detach().to("cpu", torch.float64).clone())
         self._n_tokens += n
@@ -75,6 +90,7 @@ class TokenTable:
         """Append every token of another table (same metrics)."""
         if other.n_tokens or other.names:
             self.add_values({name: other.values(name) for name in other.names})
+        self.coarse_grained = self.coarse_grained or other.coarse_grained
 
     def values(self, name: str) -> torch.Tensor:
         """The per-token values of one metric, float64 ``[N]``."""
@@ -90,11 +106,17 @@ class TokenTable:
         return {name: summarise(self.values(name)) for name in self.names}
 
     def to_dict(self) -> dict:
-        """A JSON-safe document: token count and summary; non-finite figures become "inf", "-inf", "nan"."""
-        return {
+        """A JSON-safe document: token count, summary and, for top-k values, the coarse-graining note.
+
+        Non-finite figures become the strings "inf", "-inf" and "nan" (strict JSON has no infinity).
+        """
+        doc = {
             "tokens": self.n_tokens,
             "metrics": {name: {s: _json_float(v) for s, v in stats.items()} for name, stats in self.summary().items()},
         }
+        if self.coarse_grained:
+            doc["note"] = COARSE_GRAIN_NOTE
+        return doc
 
     def to_json(self) -> str:
         """:meth:`to_dict` as a JSON string."""

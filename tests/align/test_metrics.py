@@ -365,3 +365,34 @@ def test_ties_are_broken_the_same_way_every_time():
     m = token_metrics(a, b, k=2)
     assert m["top1_agree"].tolist() == [1.0, 0.0]
     assert m["topk_overlap"].tolist() == [1.0, 0.5]  # row 0: {0, 1} both; row 1: {0, 1} vs {1, 2}
+
+
+def test_a_bad_row_is_named_by_its_position_in_the_whole_input():
+    a, b = torch.randn(9, 6), torch.randn(9, 6)
+    b[7, 2] = math.nan
+    with pytest.raises(UserError, match="infer logits row 7 holds NaN"):
+        token_metrics(a, b, chunk_bytes=1)  # one row per chunk
+    b[7, 2] = 0.0
+    a[5] = -math.inf
+    with pytest.raises(UserError, match="train logits row 5 masks every"):
+        TokenTable(chunk_bytes=1).add(a, b)
+
+
+def test_table_of_engine_top_k_values_carries_the_coarse_grain_note():
+    gen = torch.Generator().manual_seed(10)
+    a, b = random_pair(30, 200, gen, mask=False)
+    y = torch.multinomial(torch.softmax(b, -1), 1, generator=gen)[:, 0]
+    ids, logp, y_logp = engine_topk(b, 8, y)
+    table = TokenTable(k=3, chunk_bytes=1)
+    table.add_topk(a[:11], ids[:11], logp[:11], y[:11], y_logp[:11])
+    table.add_topk(a[11:], ids[11:], logp[11:], y[11:], y_logp[11:])
+    once = topk_tail_metrics(a, ids, logp, y, y_logp, k=3)
+    assert table.names == tuple(m for m in TOKEN_METRICS if m != "logit_l1")
+    for name in table.names:
+        assert torch.allclose(table.values(name), once[name], rtol=1e-13, atol=1e-16), name
+    doc = table.to_dict()
+    assert doc["note"] == COARSE_GRAIN_NOTE and doc["tokens"] == 30
+    with pytest.raises(ValueError, match="holds"):
+        table.add(a[:2], b[:2], y[:2])  # full-logit values bring logit_l1: not the same metrics
+    with pytest.raises(ValueError, match="one length"):
+        TokenTable().add_values({"js": torch.zeros(3), "k3": torch.zeros(2)})
