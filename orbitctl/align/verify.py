@@ -11,6 +11,7 @@ trend, alone or next to a token source.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -36,9 +37,20 @@ class AlignmentReport:
         return overall(self.gates)
 
     def to_dict(self) -> dict:
-        return {"verdict": self.verdict, "source": self.source, "tokens": self.tokens,
-                "gates": [g.to_dict() for g in self.gates], "metrics": self.summary, "run": self.run,
-                "notes": self.notes}
+        return _json_safe({"verdict": self.verdict, "source": self.source, "tokens": self.tokens,
+                           "gates": [g.to_dict() for g in self.gates], "metrics": self.summary, "run": self.run,
+                           "notes": self.notes})
+
+
+def _json_safe(value):
+    """Non-finite floats (an infinite KL where one side masks a token) as the strings "inf"/"nan"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 ProgressFn = Callable[[str, int, int], None]
