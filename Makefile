@@ -18,10 +18,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # the main job: the memory plan of the shipped trillion-parameter profile, then the CPU training demo
-# (build the tiny model, quantize it to NF4 with the streaming converter, LoRA + GRPO, accuracy before/after)
+# (build the tiny model, quantize it to NF4 with the streaming converter, LoRA + GRPO, accuracy before/after),
+# then verify that the trained policy's train path and infer path agree
 demo: setup
 	$(BIN)/orbitctl plan profiles/kimi-k2_grpo_int4_8xb200.yaml
 	$(BIN)/orbitctl train profiles/tiny-cpu.yaml
+	$(BIN)/orbitctl verify-alignment profiles/tiny-cpu.yaml --per-layer
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -158,7 +158,7 @@ def _from_rollouts(report: AlignmentReport, profile, path: str, temperature: flo
     import torch
 
     from orbitctl.align.internal import load_adapter_into, resolve_adapter
-    from orbitctl.align.metrics import COARSE_GRAIN_NOTE, topk_tail_metrics
+    from orbitctl.align.metrics import COARSE_GRAIN_NOTE
     from orbitctl.align.rollouts import read_rollouts, resolve_ids
     from orbitctl.align.tokens import TokenTable
     from orbitctl.model.prepare import load_policy, prepare_frozen_base
@@ -171,28 +171,32 @@ def _from_rollouts(report: AlignmentReport, profile, path: str, temperature: flo
     if adapter_dir is not None:
         load_adapter_into(policy, adapter_dir, profile.adapter.kind)
     resolved = resolve_ids(completions, policy.tokenizer)
-    k_engine = min((len(ids) for r in resolved for ids in r.top_ids if ids), default=0)
+    sizes = [len(ids) for r in resolved for ids in r.top_ids]
+    k_engine = min((n for n in sizes if n), default=0)
     if k_engine == 0:
         raise UserError(f"{path}: the engine returned no top_logprobs", fix="request top_logprobs (K >= 1)")
+    skipped = sum(1 for n in sizes if n == 0)
+    if skipped:
+        report.notes.append(f"{skipped} of {len(sizes)} positions have no top_logprobs and are not compared")
     k = min(profile.alignment.top_k, k_engine)
     table, infer_logp = TokenTable(k=k), []
     for i, r in enumerate(resolved):
-        if not r.completion_ids:
-            continue
-        prompt = torch.tensor([r.prompt_ids])
-        completion = torch.tensor([r.completion_ids])
-        with torch.no_grad():
-            logits = policy.completion_logits(prompt, torch.ones_like(prompt), completion, torch.ones_like(completion),
-                                              train=True)[0].float() / temperature
-        width = max(len(ids) for ids in r.top_ids)
-        top_ids = torch.full((len(r.top_ids), width), -1, dtype=torch.long)
-        top_logp = torch.full((len(r.top_ids), width), float("-inf"), dtype=torch.float64)
-        for j, (ids, lps) in enumerate(zip(r.top_ids, r.top_logp)):
-            top_ids[j, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-            top_logp[j, :len(lps)] = torch.tensor(lps, dtype=torch.float64)
-        sampled_logp = torch.tensor(r.sampled_logp, dtype=torch.float64)
-        table.add_values(topk_tail_metrics(logits, top_ids, top_logp, completion[0], sampled_logp, k=k))
-        infer_logp.append(sampled_logp)
+        rows = [j for j, ids in enumerate(r.top_ids) if ids]
+        if rows:
+            prompt = torch.tensor([r.prompt_ids])
+            completion = torch.tensor([r.completion_ids])
+            with torch.no_grad():
+                logits = policy.completion_logits(prompt, torch.ones_like(prompt), completion,
+                                                  torch.ones_like(completion), train=True)[0].float() / temperature
+            width = max(len(r.top_ids[j]) for j in rows)
+            top_ids = torch.full((len(rows), width), -1, dtype=torch.long)
+            top_logp = torch.full((len(rows), width), float("-inf"), dtype=torch.float64)
+            for n, j in enumerate(rows):
+                top_ids[n, :len(r.top_ids[j])] = torch.tensor(r.top_ids[j], dtype=torch.long)
+                top_logp[n, :len(r.top_logp[j])] = torch.tensor(r.top_logp[j], dtype=torch.float64)
+            sampled_logp = torch.tensor([r.sampled_logp[j] for j in rows], dtype=torch.float64)
+            table.add_topk(logits[rows], top_ids, top_logp, completion[0, rows], sampled_logp)
+            infer_logp.append(sampled_logp)
         report.notes += r.notes
         if on_progress:
             on_progress("compare", i + 1, len(resolved))
