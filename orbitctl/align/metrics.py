@@ -110,14 +110,9 @@ def token_metrics(train_logits: torch.Tensor, infer_logits: torch.Tensor, sample
         raise UserError(f"top-k overlap needs k >= 1 (got {k})", fix="set alignment.top_k to 1 or more")
     if sampled_ids is not None:
         _check_ids(sampled_ids, (n,), vocab, "sampled_ids")
-    step = rows_per_chunk(vocab, chunk_bytes)
-    parts = [
-        _token_metrics_rows(train_logits[s:s + step], infer_logits[s:s + step],
-                            None if sampled_ids is None else sampled_ids[s:s + step], k, s)
-        for s in range(0, n, step)
-    ]
     names = [m for m in TOKEN_METRICS if sampled_ids is not None or m not in SAMPLED_METRICS]
-    return _concat(parts, names)
+    return _by_chunks(n, rows_per_chunk(vocab, chunk_bytes), names, lambda s, e: _token_metrics_rows(
+        train_logits[s:e], infer_logits[s:e], None if sampled_ids is None else sampled_ids[s:e], k, s))
 
 
 def _token_metrics_rows(train: torch.Tensor, infer: torch.Tensor, sampled: torch.Tensor | None, k: int,
@@ -216,10 +211,38 @@ def _sampled(lpa_y: torch.Tensor, lpb_y: torch.Tensor) -> dict[str, torch.Tensor
     }
 
 
-def _concat(parts: list[dict], names: list[str]) -> dict[str, torch.Tensor]:
-    if not parts:
-        return {m: torch.zeros(0, dtype=torch.float64) for m in names}
-    return {m: torch.cat([p[m] for p in parts]).cpu() for m in names if m in parts[0]}
+def _by_chunks(n: int, step: int, names: list[str], rows) -> dict[str, torch.Tensor]:
+    """Run ``rows(start, end)`` over chunks of rows, writing each chunk's values into ``[n]`` outputs.
+
+    The outputs are allocated before the first chunk and each chunk's results are dropped before
+    the next starts: small tensors that outlive a chunk would pin the allocator's heap between the
+    chunk-sized holes, and resident memory would then grow with the number of chunks.
+    """
+    out = {m: torch.empty(n, dtype=torch.float64) for m in names}
+    for start in range(0, n, step):
+        part = rows(start, min(n, start + step))
+        for m in names:
+            out[m][start:start + step].copy_(part[m])
+        del part
+        _return_freed_heap()
+    return out
+
+
+def _return_freed_heap() -> None:
+    """Hand the chunk's freed temporaries back to the OS (glibc keeps heap holes otherwise; no-op elsewhere)."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            import ctypes
+
+            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM = None
 
 
 def _check_pair(train_logits: torch.Tensor, infer_logits: torch.Tensor) -> tuple[int, int]:
@@ -307,13 +330,9 @@ def topk_tail_metrics(train_logits: torch.Tensor, infer_ids: torch.Tensor, infer
     if not 1 <= k <= infer_ids.shape[1]:
         raise UserError(f"top-k overlap needs 1 <= k <= K = {infer_ids.shape[1]} engine top log-probs (got k={k})",
                         fix="request more top_logprobs from the engine or lower alignment.top_k")
-    step = rows_per_chunk(vocab, chunk_bytes)
-    parts = [
-        _topk_tail_rows(train_logits[s:s + step], infer_ids[s:s + step], infer_logp[s:s + step],
-                        sampled_ids[s:s + step], sampled_infer_logp[s:s + step], k, s)
-        for s in range(0, n, step)
-    ]
-    return _concat(parts, [m for m in TOKEN_METRICS if m != "logit_l1"])
+    names = [m for m in TOKEN_METRICS if m != "logit_l1"]
+    return _by_chunks(n, rows_per_chunk(vocab, chunk_bytes), names, lambda s, e: _topk_tail_rows(
+        train_logits[s:e], infer_ids[s:e], infer_logp[s:e], sampled_ids[s:e], sampled_infer_logp[s:e], k, s))
 
 
 def _topk_tail_rows(train, infer_ids, infer_logp, sampled, sampled_lp, k, first_row=0) -> dict[str, torch.Tensor]:
@@ -350,7 +369,6 @@ def _topk_tail_rows(train, infer_ids, infer_logp, sampled, sampled_lp, k, first_
     out = _distances(bucket_a, bucket_b)
     out["entropy_train"] = _entropy(la)
     out["entropy_infer"] = _entropy(bucket_b)
-    # the engine's ranking among the tokens it reported: its top-1 and top-k
     # the engine's ranking of the tokens it reported (stable: its own order breaks ties)
     engine_top = safe.gather(1, torch.sort(lpb, dim=-1, descending=True, stable=True).indices)
     pick = la.argmax(-1, keepdim=True)
