@@ -168,7 +168,7 @@ def _masked_mean_abs(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _entropy(lp: torch.Tensor) -> torch.Tensor:
-    return -torch.where(torch.isneginf(lp), 0.0, lp.exp() * lp).sum(-1)
+    return 0.0 - torch.where(torch.isneginf(lp), 0.0, lp.exp() * lp).sum(-1)  # 0.0 - x: never prints -0
 
 
 def _top1_agree(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
