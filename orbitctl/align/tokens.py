@@ -1,7 +1,7 @@
 """Per-token mismatch values accumulated over many batches, and their summary.
 
-A :class:`TokenTable` takes train/infer logits batch by batch (``add``) or per-token values computed
-elsewhere (``add_values``, e.g. from :func:`orbitctl.align.metrics.topk_tail_metrics`), keeps one
+A :class:`TokenTable` takes train/infer logits batch by batch (``add``), full train logits against an
+engine's top-K log-probs (``add_topk``) or per-token values computed elsewhere (``add_values``), keeps one
 float64 value per token and metric, and summarises each metric by mean, p99, max and min over
 tokens. Full logits are processed in chunks of rows, so a 160k vocabulary over many tokens never
 holds more than one chunk of float64 temporaries; only the ``[N]`` per-token values are kept.
