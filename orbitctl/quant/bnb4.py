@@ -3,9 +3,11 @@
 bitsandbytes has no native 4-bit quantizer for the CPU; its torch fallback scales each block
 by 1/absmax in float32 and finds every value's code with ``torch.bucketize`` against the
 midpoints of the code book, over the whole matrix at once. The same arithmetic done in cache-
-sized chunks, with the bucket found by counting the midpoints below each value (15 compares
-that vectorize, instead of a binary search per element), gives the same bits about twice as
-fast on one core. The absmax double quantization and the ``QuantState`` come from
+sized chunks, with the bucket found through a lookup table, gives the same bits several
+times faster on one core: [-1, 1] is cut into 2^16 equal cells, each cell stores how many
+midpoints lie below it and the one midpoint inside it (if any), and a value's bucket is
+``below[cell] + (value > inside[cell])`` -- one exact comparison, so the result is the same as
+counting the midpoints below the value, which is what ``torch.bucketize`` computes. The absmax double quantization and the ``QuantState`` come from
 bitsandbytes itself. Anything unusual (CUDA tensors, a matrix that is not a whole number of
 blocks) goes straight to bitsandbytes.
 """
@@ -36,8 +38,45 @@ def _codebook(quant_type: str) -> tuple[list[float], torch.Tensor | None, torch.
     return midpoints.tolist(), remap, code
 
 
-def _codes(scaled: torch.Tensor, midpoints: list[float], mask: torch.Tensor, out: torch.Tensor) -> None:
+CELLS_PER_UNIT = 1 << 15
+"""Cells per unit of the scaled value: [-1, 1] is 2^16 cells, far finer than the code books' midpoints."""
+
+
+def _cell(scaled: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Cell index trunc((x + 1) * 2^15): monotone in x (a rounded add, then an exact power-of-two scale)."""
+    torch.add(scaled, 1.0, out=out)
+    out.mul_(CELLS_PER_UNIT)
+    return out
+
+
+@lru_cache(maxsize=4)
+def _bucket_table(quant_type: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(below [cells] uint8, inside [cells] float32) or None when two midpoints share a cell."""
+    midpoints, _, _ = _codebook(quant_type)
+    mids = torch.tensor(midpoints, dtype=torch.float32)
+    cells = 2 * CELLS_PER_UNIT + 1
+    cell_of_mid = _cell(mids, torch.empty_like(mids)).to(torch.int64)
+    if len(set(cell_of_mid.tolist())) != len(midpoints):
+        return None
+    # f monotone: a midpoint in a lower cell is below every value of this cell, one in a higher cell above
+    below = torch.zeros(cells, dtype=torch.int64)
+    below.scatter_add_(0, (cell_of_mid + 1).clamp(max=cells - 1), torch.ones_like(cell_of_mid))
+    below = below.cumsum(0).to(torch.uint8)
+    inside = torch.full((cells,), float("inf"), dtype=torch.float32)
+    inside[cell_of_mid] = mids
+    return below, inside
+
+
+def _codes(scaled: torch.Tensor, midpoints: list[float], mask: torch.Tensor, out: torch.Tensor,
+           table: tuple[torch.Tensor, torch.Tensor] | None = None, work: torch.Tensor | None = None) -> None:
     """out = number of midpoints strictly below each value (torch.bucketize with right=False)."""
+    if table is not None and work is not None:
+        below, inside = table
+        cell = _cell(scaled, work).to(torch.int32)  # index_select takes int32: half the bytes of take's int64
+        torch.index_select(below, 0, cell, out=out)
+        torch.gt(scaled, torch.index_select(inside, 0, cell), out=mask)
+        out.add_(mask.view(torch.uint8))
+        return
     torch.gt(scaled, midpoints[0], out=mask)
     out.copy_(mask.view(torch.uint8))
     for m in midpoints[1:]:
@@ -48,6 +87,7 @@ def _codes(scaled: torch.Tensor, midpoints: list[float], mask: torch.Tensor, out
 def quantize_4bit_packed(weight: torch.Tensor, blocksize: int, quant_type: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed uint8 codes [n/2] (first value in the high nibble) and float32 absmax [n/blocksize]."""
     midpoints, remap, _ = _codebook(quant_type)
+    table = _bucket_table(quant_type)
     flat = weight.reshape(-1)
     n = flat.numel()
     blocks = flat.view(-1, blocksize)
@@ -58,6 +98,7 @@ def quantize_4bit_packed(weight: torch.Tensor, blocksize: int, quant_type: str) 
     mask = torch.empty(rows * blocksize, dtype=torch.bool)
     codes = torch.empty(rows * blocksize, dtype=torch.uint8)
     scaled = torch.empty(rows * blocksize, dtype=torch.float32)
+    work = torch.empty(rows * blocksize, dtype=torch.float32)
     for r in range(0, blocks.shape[0], rows):
         chunk = blocks[r:r + rows]
         k = chunk.numel()
@@ -65,7 +106,7 @@ def quantize_4bit_packed(weight: torch.Tensor, blocksize: int, quant_type: str) 
         torch.mul(chunk, inv[r:r + rows, None], out=s)
         s.clamp_(-1, 1)
         c = codes[:k]
-        _codes(scaled[:k], midpoints, mask[:k], c)
+        _codes(scaled[:k], midpoints, mask[:k], c, table, work[:k])
         if remap is not None:
             c = remap[c.long()]
         start = r * blocksize // 2

@@ -138,3 +138,24 @@ def test_chunked_4bit_quantizer_is_bit_identical_on_many_chunks(threads, quant_t
     assert torch.equal(ours, ref)
     a, b = state.as_dict(packed=True), ref_state.as_dict(packed=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_4bit_lookup_table_is_exact_at_and_beside_every_midpoint(quant_type):
+    # the bucket table must agree with counting midpoints exactly where rounding could move a value
+    # into the neighbouring cell: on each midpoint and one float32 step either side of it
+    import bitsandbytes.functional as bnbf
+
+    from orbitctl.quant.bnb4 import _codebook, quantize_4bit
+
+    midpoints = torch.tensor(_codebook(quant_type)[0], dtype=torch.float32)
+    values = torch.cat([midpoints, torch.nextafter(midpoints, torch.tensor(2.0)),
+                        torch.nextafter(midpoints, torch.tensor(-2.0)), torch.tensor([0.0, -0.0, 1.0, -1.0])])
+    values = torch.cat([values, torch.linspace(-1, 1, 64 * 40 - values.numel() - 40)])
+    blocks = values[torch.randperm(values.numel(), generator=torch.Generator().manual_seed(0))]
+    blocks = torch.cat([blocks, torch.zeros(40)]).view(-1, 64)
+    blocks[:, 0] = 1.0  # absmax 1: the scaled values are the values themselves
+    w = blocks.reshape(80, 32).contiguous()
+    ours, _ = quantize_4bit(w, blocksize=64, quant_type=quant_type, double_quant=False, quant_storage=torch.uint8)
+    ref, _ = bnbf.quantize_4bit(w, blocksize=64, compress_statistics=False, quant_type=quant_type)
+    assert torch.equal(ours, ref)
