@@ -84,6 +84,20 @@ def _codes(scaled: torch.Tensor, midpoints: list[float], mask: torch.Tensor, out
         out.add_(mask.view(torch.uint8))
 
 
+def _block_absmax(blocks: torch.Tensor) -> torch.Tensor:
+    """max |x| of every block, float32; |x| and max are exact in the input dtype. In slices, so the
+    |x| temporary is small and reused rather than a second whole-matrix buffer."""
+    absmax = torch.empty(blocks.shape[0], dtype=blocks.dtype)
+    rows = max(1, CHUNK_SINGLE_THREAD // blocks.shape[1])
+    magnitude = torch.empty(rows, blocks.shape[1], dtype=blocks.dtype)
+    for r in range(0, blocks.shape[0], rows):
+        chunk = blocks[r:r + rows]
+        m = magnitude[:chunk.shape[0]]
+        torch.abs(chunk, out=m)
+        torch.amax(m, dim=-1, out=absmax[r:r + rows])
+    return absmax.float()
+
+
 def quantize_4bit_packed(weight: torch.Tensor, blocksize: int, quant_type: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed uint8 codes [n/2] (first value in the high nibble) and float32 absmax [n/blocksize]."""
     midpoints, remap, _ = _codebook(quant_type)
@@ -91,7 +105,7 @@ def quantize_4bit_packed(weight: torch.Tensor, blocksize: int, quant_type: str) 
     flat = weight.reshape(-1)
     n = flat.numel()
     blocks = flat.view(-1, blocksize)
-    absmax = blocks.abs().amax(dim=-1).float()  # |x| and max are exact in the input dtype
+    absmax = _block_absmax(blocks)
     inv = 1.0 / absmax.clamp(min=1e-38)
     packed = torch.empty(n // 2, dtype=torch.uint8)
     rows = max(1, (CHUNK_SINGLE_THREAD if torch.get_num_threads() == 1 else CHUNK) // blocksize)

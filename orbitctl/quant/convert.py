@@ -13,6 +13,7 @@ with the same bytes as a run that was never interrupted.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -316,15 +317,32 @@ def convert_tensor(ckpt: Checkpoint, name: str, opts: ConvertOptions, passthroug
     if passthrough:
         tensor = read_tensor(entry)
         return {name: tensor}, _kept_row(name, tensor, "already quantized: copied as is"), entry.nbytes
-    tensor = ckpt.read(name)
     reason = tensor_decision(ckpt, name, opts, passthrough, moe)
     if reason is not None:
+        tensor = ckpt.read(name)
         return {name: tensor}, _kept_row(name, tensor, reason), _source_bytes(ckpt, name)
+    # the source dies with this call: each worker thread reuses one buffer for it instead of
+    # faulting in fresh pages for every tensor
+    tensor = ckpt.read(name, scratch=_scratch(entry.nbytes))
     stored = quantize_weight(name, tensor, opts.spec)
     restored = dequantize_weight(name, stored, opts.spec.fmt, dtype=tensor.dtype)
     bytes_out = sum(v.numel() * v.element_size() for v in stored.values())
     row = tensor_stats(name, module_kind(name), tensor, restored, _source_bytes(ckpt, name), bytes_out)
     return stored, row, _source_bytes(ckpt, name)
+
+
+_thread_buffers = threading.local()
+
+
+def _scratch(nbytes: int):
+    """A uint8 buffer of at least ``nbytes`` owned by this thread, grown by half again when short."""
+    import torch
+
+    buf = getattr(_thread_buffers, "source", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _thread_buffers.source = torch.empty(max(nbytes, int(1.5 * (buf.numel() if buf is not None else 0))),
+                                                   dtype=torch.uint8)
+    return buf
 
 
 def _kept_row(name: str, tensor, reason: str) -> dict:

@@ -27,9 +27,11 @@ MANIFEST_VERSION = 1
 
 def sha256_file(path: Path, chunk: int = 16 * 1024 * 1024) -> str:
     h = hashlib.sha256()
+    buf = bytearray(chunk)  # one buffer for the whole file: no fresh pages per block
+    view = memoryview(buf)
     with path.open("rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()
 
 

@@ -84,10 +84,11 @@ def read_header(path: Path) -> tuple[dict, list[TensorEntry], bytes]:
     return metadata, entries, raw
 
 
-def read_tensor(entry: TensorEntry, handle=None) -> torch.Tensor:
-    """Copy one tensor from disk into its own CPU buffer."""
+def read_tensor(entry: TensorEntry, handle=None, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy one tensor from disk into its own CPU buffer, or into ``scratch`` (uint8, large enough)
+    when the caller is done with it before the next read (no fresh pages to fault in)."""
     dtype = DTYPES[entry.dtype]
-    buf = torch.empty(entry.nbytes, dtype=torch.uint8)
+    buf = scratch[:entry.nbytes] if scratch is not None else torch.empty(entry.nbytes, dtype=torch.uint8)
     own = handle is None
     f = entry.file.open("rb") if own else handle
     try:

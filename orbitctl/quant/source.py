@@ -51,10 +51,13 @@ class Checkpoint:
         """Tensors in file order (each file read front to back), without quantization sidecars."""
         return [n for n in self.entries if not n.endswith("_scale_inv")]
 
-    def read(self, name: str, handle=None) -> torch.Tensor:
-        """The tensor as stored, except FP8 weights, which come back dequantized to bf16."""
+    def read(self, name: str, handle=None, scratch: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor as stored, except FP8 weights, which come back dequantized to bf16.
+
+        With ``scratch`` the result may live in that buffer: valid until the buffer is reused.
+        """
         entry = self.entries[name]
-        tensor = read_tensor(entry, handle)
+        tensor = read_tensor(entry, handle, scratch)
         scale_name = name + "_scale_inv"
         if entry.dtype == "F8_E4M3" and scale_name in self.entries:
             scale = read_tensor(self.entries[scale_name])
