@@ -14,6 +14,7 @@ blocks) goes straight to bitsandbytes.
 
 from __future__ import annotations
 
+import threading
 from functools import lru_cache
 
 import torch
@@ -23,7 +24,7 @@ import torch
 # small op to the OpenMP pool, which costs more than it saves on a busy two-core machine); the
 # converter runs with one intra-op thread and can afford chunks 4x larger (25% faster).
 CHUNK = 1 << 15
-CHUNK_SINGLE_THREAD = 1 << 17
+CHUNK_SINGLE_THREAD = 1 << 19
 
 
 @lru_cache(maxsize=4)
@@ -68,13 +69,18 @@ def _bucket_table(quant_type: str) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def _codes(scaled: torch.Tensor, midpoints: list[float], mask: torch.Tensor, out: torch.Tensor,
-           table: tuple[torch.Tensor, torch.Tensor] | None = None, work: torch.Tensor | None = None) -> None:
-    """out = number of midpoints strictly below each value (torch.bucketize with right=False)."""
-    if table is not None and work is not None:
+           table: tuple[torch.Tensor, torch.Tensor] | None = None, work: torch.Tensor | None = None,
+           cell: torch.Tensor | None = None) -> None:
+    """out = number of midpoints strictly below each value (torch.bucketize with right=False).
+
+    With the table, ``work`` (float32) and ``cell`` (int32) are scratch of the same length: every
+    temporary is preallocated, so large chunks neither fault in fresh pages nor allocate.
+    """
+    if table is not None and work is not None and cell is not None:
         below, inside = table
-        cell = _cell(scaled, work).to(torch.int32)  # index_select takes int32: half the bytes of take's int64
+        cell.copy_(_cell(scaled, work))  # float -> int32 truncates; index_select takes int32 indices
         torch.index_select(below, 0, cell, out=out)
-        torch.gt(scaled, torch.index_select(inside, 0, cell), out=mask)
+        torch.gt(scaled, torch.index_select(inside, 0, cell, out=work), out=mask)
         out.add_(mask.view(torch.uint8))
         return
     torch.gt(scaled, midpoints[0], out=mask)
@@ -82,6 +88,20 @@ def _codes(scaled: torch.Tensor, midpoints: list[float], mask: torch.Tensor, out
     for m in midpoints[1:]:
         torch.gt(scaled, m, out=mask)
         out.add_(mask.view(torch.uint8))
+
+
+_thread_buffers = threading.local()
+
+
+def _chunk_buffers(n: int) -> tuple[torch.Tensor, ...]:
+    """This thread's scratch for one chunk (mask, codes, scaled, work, cell, high nibbles), kept
+    between calls: fresh buffers would be faulted in page by page for every weight."""
+    cached = getattr(_thread_buffers, "chunk", None)
+    if cached is None or cached[0].numel() != n:
+        cached = _thread_buffers.chunk = (
+            torch.empty(n, dtype=torch.bool), torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.float32),
+            torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.int32), torch.empty(n // 2, dtype=torch.uint8))
+    return cached
 
 
 def _block_absmax(blocks: torch.Tensor) -> torch.Tensor:
@@ -109,22 +129,21 @@ def quantize_4bit_packed(weight: torch.Tensor, blocksize: int, quant_type: str) 
     inv = 1.0 / absmax.clamp(min=1e-38)
     packed = torch.empty(n // 2, dtype=torch.uint8)
     rows = max(1, (CHUNK_SINGLE_THREAD if torch.get_num_threads() == 1 else CHUNK) // blocksize)
-    mask = torch.empty(rows * blocksize, dtype=torch.bool)
-    codes = torch.empty(rows * blocksize, dtype=torch.uint8)
-    scaled = torch.empty(rows * blocksize, dtype=torch.float32)
-    work = torch.empty(rows * blocksize, dtype=torch.float32)
+    mask, codes, scaled, work, cell, high = _chunk_buffers(rows * blocksize)
     for r in range(0, blocks.shape[0], rows):
         chunk = blocks[r:r + rows]
         k = chunk.numel()
         s = scaled[:k].view(chunk.shape)
-        torch.mul(chunk, inv[r:r + rows, None], out=s)
+        s.copy_(chunk)  # exact; a mixed-dtype mul would cast the chunk into a fresh temporary
+        s.mul_(inv[r:r + rows, None])
         s.clamp_(-1, 1)
         c = codes[:k]
-        _codes(scaled[:k], midpoints, mask[:k], c, table, work[:k])
+        _codes(scaled[:k], midpoints, mask[:k], c, table, work[:k], cell[:k])
         if remap is not None:
             c = remap[c.long()]
         start = r * blocksize // 2
-        torch.bitwise_or(c[0::2] << 4, c[1::2], out=packed[start:start + k // 2])
+        h = torch.bitwise_left_shift(c[0::2], 4, out=high[:k // 2])
+        torch.bitwise_or(h, c[1::2], out=packed[start:start + k // 2])
     return packed, absmax
 
 

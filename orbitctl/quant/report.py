@@ -14,7 +14,7 @@ import math
 import torch
 
 SUMMARY_KINDS = ("attention", "mlp", "shared_experts", "experts", "lm_head")
-STATS_CHUNK = 1 << 15
+STATS_CHUNK = 1 << 17
 
 
 def tensor_stats(name: str, kind: str, original: torch.Tensor, restored: torch.Tensor, bytes_in: int, bytes_out: int) -> dict:
@@ -22,14 +22,17 @@ def tensor_stats(name: str, kind: str, original: torch.Tensor, restored: torch.T
     err_sq = ref_sq = max_abs = 0.0
     flat_w, flat_r = original.reshape(-1), restored.reshape(-1)
     err = torch.empty(min(STATS_CHUNK, flat_w.numel()), dtype=torch.float32)
-    # cache-sized chunks: the float32 error never exists for the whole matrix
+    ref = torch.empty_like(err)
+    # cache-sized chunks: the float32 error never exists for the whole matrix, and both float32
+    # copies are preallocated (mixed-dtype ops would cast into a fresh temporary per chunk)
     for s in range(0, flat_w.numel(), STATS_CHUNK):
-        w = flat_w[s:s + STATS_CHUNK]
+        w = ref[: min(STATS_CHUNK, flat_w.numel() - s)]
+        w.copy_(flat_w[s:s + STATS_CHUNK])
         e = err[: w.numel()]
         e.copy_(flat_r[s:s + STATS_CHUNK])
         e.sub_(w)  # in float32: a bf16 difference would round away the error being measured
         err_sq += float(torch.dot(e, e))
-        ref_sq += float(torch.linalg.vector_norm(w, dtype=torch.float32)) ** 2
+        ref_sq += float(torch.dot(w, w))
         lo, hi = torch.aminmax(e)
         max_abs = max(max_abs, -float(lo), float(hi))
     return {
