@@ -113,6 +113,27 @@ def attach_lora(model, section, hidden_size: int, *, seed: int):
     return peft_model, AdapterReport("lora", modules, _count_trainable(peft_model), rank)
 
 
+def load_lora(model, directory: str | Path, dtype: str = "bf16"):
+    """A saved LoRA adapter on a frozen base of any format, as the trainer had it.
+
+    ``PeftModel.from_pretrained`` alone does not know orbitctl's INT4/FP8 layers and builds the
+    adapter in float32; this registers the layers and keeps the adapter in its trained dtype.
+    """
+    import torch
+    from peft import LoraConfig, PeftModel
+
+    from orbitctl.model.quant_linear import QuantLinear
+
+    config = LoraConfig.from_pretrained(str(directory))
+    config._register_custom_module({QuantLinear: _quant_lora_layer()})
+    peft_model = PeftModel.from_pretrained(model, str(directory), config=config, autocast_adapter_dtype=False)
+    target = torch.bfloat16 if dtype == "bf16" else torch.float32
+    for name, param in peft_model.named_parameters():
+        if "lora_" in name:
+            param.data = param.data.to(target)
+    return peft_model
+
+
 def _quant_lora_layer():
     """PEFT's LoRA ``Linear`` over a frozen :class:`QuantLinear`: y = base(x) + B(A(dropout(x)))·scale."""
     from peft.tuners.lora.layer import Linear
@@ -120,6 +141,12 @@ def _quant_lora_layer():
     class QuantLinearLora(Linear):
         def _get_in_out_features(self, module):
             return module.in_features, module.out_features
+
+        def _get_base_layer_device_and_dtype(self, base_layer):
+            # follow the stored weights' device but never their dtype: PEFT would cast the adapter
+            # to float8 next to an FP8 weight (lossy on load); the adapter dtype is the profile's
+            stored = next(base_layer.parameters(), None)
+            return (stored.device if stored is not None else None), None
 
         def merge(self, *args, **kwargs):
             raise ValueError("the base is quantized: its adapters stay unmerged (the adapter-first method)")

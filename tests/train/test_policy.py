@@ -157,3 +157,30 @@ def test_infer_and_train_paths_agree_under_left_padding(small_profile):
     train_logp = torch.log_softmax(logits.float(), -1).gather(-1, out.completion_ids[..., None]).squeeze(-1)
     delta = ((train_logp - out.logprobs) * out.completion_mask).abs().max()
     assert float(delta) < 1e-3
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_lora_on_our_int4_and_fp8_layers_reloads_exactly(small_profile, tmp_path, fmt):
+    from orbitctl.model.adapters import load_lora, save_adapter
+    from orbitctl.model.base import load_frozen_base
+
+    profile = small_profile(**{"quant.format": fmt, "quant.group_size": 32})
+    policy, base, split = _policy(profile)
+    wrapped = [type(m).__name__ for m in policy.model.modules() if type(m).__name__ == "QuantLinearLora"]
+    assert len(wrapped) == len(policy.report.modules)  # every LoRA target is a quantized layer here
+    with torch.no_grad():
+        for _, param in policy.named_trainable():
+            param.normal_(0.0, 0.05)
+    save_adapter(policy.model, tmp_path / "adapter", "lora", policy.hidden_size)
+    loaded = load_lora(load_frozen_base(str(base.quantized_dir)), tmp_path / "adapter")
+    ours = {n: p for n, p in policy.model.named_parameters() if "lora_" in n}
+    theirs = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
+    assert ours.keys() == theirs.keys()
+    # bit-equal: the adapter is never cast through the base's float8 on the way in
+    assert all(theirs[n].dtype == torch.bfloat16 and torch.equal(ours[n], theirs[n]) for n in ours)
+    ids, mask = policy.encode_prompts([it.prompt for it in split.train[:4]])
+    policy.model.eval()
+    loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(policy.model(input_ids=ids, attention_mask=mask).logits,
+                           loaded(input_ids=ids, attention_mask=mask).logits)
