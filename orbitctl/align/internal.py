@@ -56,6 +56,8 @@ class InternalComparison:
     notes: list[str] = field(default_factory=list)
     infer_token_logp: "object | None" = None
     """Infer-path log-prob of each compared sampled token (float64 [N]), for the plot."""
+    jump_cause: str | None = None
+    """What differs between the paths at the first jump, from how the infer path was built."""
 
     def describe(self) -> dict:
         doc = {"source": "internal", "train_path": self.train_path, "infer_path": self.infer_path,
@@ -63,7 +65,8 @@ class InternalComparison:
         if self.layers is not None:
             doc["per_layer"] = [{"index": e.index, "name": e.name, "rel_error": e.rel_error} for e in self.layers]
             doc["first_jump"] = None if self.jump is None else {"index": self.jump.index, "name": self.jump.name,
-                                                               "rel_error": self.jump.rel_error}
+                                                               "rel_error": self.jump.rel_error,
+                                                               "likely_cause": self.jump_cause}
         return doc
 
 
@@ -133,6 +136,21 @@ def first_jump(errors: list[LayerError], floor: float = JUMP_FLOOR) -> LayerErro
             return e
         previous = e.rel_error
     return None
+
+
+def jump_cause(jump: LayerError, infer_quant: str | None, train_fmt: str, perturb: Perturbation | None) -> str:
+    """Name the difference the two paths can have at this layer, given how the infer path was built."""
+    if perturb is not None and jump.name == f"layers.{perturb.layer}":
+        return "weights: the infer copy's weights differ from the trainer's here"
+    if infer_quant is not None and infer_quant != train_fmt:
+        if jump.name == "embeddings":
+            return "embeddings stored differently on the two paths"
+        return (f"quantization: {infer_quant} on the infer path vs {train_fmt} in training; the error "
+                f"starts at the first quantized layer")
+    if jump.name == "embeddings":
+        return "embedding lookup: the paths read different embedding weights"
+    return ("the forward path: the weights and adapter are the same objects, so the KV-cache decode "
+            "or the attention kernel differs from the full-sequence forward at this layer")
 
 
 def compare_internal(profile, *, adapter: str | Path | None = None, prompts: list[str] | None = None,
@@ -214,4 +232,6 @@ def compare_internal(profile, *, adapter: str | Path | None = None, prompts: lis
         rel = (sq_diff / sq_norm.clamp_min(1e-300)).sqrt().tolist()
         result.layers = [LayerError(i, name, float(e)) for i, (name, e) in enumerate(zip(_layer_names(len(rel)), rel))]
         result.jump = first_jump(result.layers)
+        if result.jump is not None:
+            result.jump_cause = jump_cause(result.jump, infer_quant, train_fmt, perturb)
     return result

@@ -112,6 +112,8 @@ def render(report, plot: str | None) -> None:
         output.show(layers)
         if not jump:
             output.show("no layer's error reaches 1% and doubles: the paths do not part at one layer")
+        elif jump.get("likely_cause"):
+            output.show(f"first jump at {jump['name']}: {jump['likely_cause']}")
     if report.run:
         r = report.run
         output.show(f"run {r['dir']}: {r['steps']} steps; worst entropy fluctuation {r['entropy_fluctuation']:.2%} "

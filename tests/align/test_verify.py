@@ -34,6 +34,7 @@ def test_perturbed_infer_weights_fail_the_gate_and_per_layer_names_the_layer(ali
     assert report.verdict == "FAIL"
     assert "logsoftmax_l1" in _failed(report)
     assert report.source["first_jump"]["name"] == f"layers.{layer}"
+    assert report.source["first_jump"]["likely_cause"].startswith("weights")
     # everything before the perturbed layer is untouched on the infer copy
     assert all(e.rel_error < 1e-6 for e in report.layers[:layer + 1])
     assert report.layers[layer + 1].rel_error > 0.01
@@ -49,6 +50,7 @@ def test_serving_fp4_against_an_nf4_trainer_is_detected(align_profile):
         assert fp4.summary[metric]["mean"] > 1e4 * max(same.summary[metric]["mean"], 1e-15), metric
     # the error starts at the first quantized layer (the embeddings are not quantized)
     assert fp4.layers[0].rel_error < 1e-6 and fp4.source["first_jump"]["name"] == "layers.0"
+    assert fp4.source["first_jump"]["likely_cause"].startswith("quantization: fp4 on the infer path vs nf4")
     # a profile whose L1 gate sits between the two measured levels fails fp4 serving and passes nf4
     gate = 0.5 * fp4.summary["logsoftmax_l1"]["mean"]
     _, strict = align_profile(**{"alignment.logit_l1_max": gate})
