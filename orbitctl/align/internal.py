@@ -22,6 +22,8 @@ from typing import Callable
 from orbitctl.errors import InputFileError, UserError
 
 INFER_FORMATS = ("nf4", "fp4", "int4", "fp8", "bf16")
+LOGITS_BUDGET_BYTES = 1 << 30
+"""Prompts per batch shrink so the two paths' logits of one batch stay under 1 GiB (160k vocabularies)."""
 JUMP_FLOOR = 0.01
 """A layer is named as where the paths part only when its relative error reaches 1%."""
 
@@ -197,6 +199,9 @@ def compare_internal(profile, *, adapter: str | Path | None = None, prompts: lis
             infer_desc += f", layer {perturb.layer} norm perturbed x(1 + {perturb.scale:g}*N(0,1))"
 
     temperature = profile.rollout.temperature
+    # both paths hold [batch, new tokens, vocab] float32 logits at once: keep that under the budget
+    vocab = int(train_policy.model.config.vocab_size)
+    batch_size = max(1, min(batch_size, LOGITS_BUDGET_BYTES // (2 * 4 * vocab * profile.rollout.max_new_tokens)))
     table = TokenTable(k=profile.alignment.top_k)
     generator = torch.Generator().manual_seed(profile.run.seed * 7919 + 17)
     sq_diff = sq_norm = None
