@@ -217,7 +217,8 @@ def compare_internal(profile, *, adapter: str | Path | None = None, prompts: lis
             out = train_policy.completion_logits(samples.prompt_ids, samples.prompt_mask, samples.completion_ids,
                                                  samples.completion_mask, train=True, with_hidden=per_layer)
         train_logits, train_hidden = out if per_layer else (out, None)
-        train_logits = train_logits.float() / (temperature if temperature > 0 else 1.0)
+        train_logits = train_logits.float().cpu() / (temperature if temperature > 0 else 1.0)
+        train_hidden = train_hidden.cpu() if train_hidden is not None else None
         keep = samples.completion_mask.bool()
         table.add(train_logits[keep], samples.logits[keep], samples.completion_ids[keep])
         infer_logp.append(samples.logprobs[keep].double())

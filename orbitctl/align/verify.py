@@ -187,7 +187,7 @@ def _from_rollouts(report: AlignmentReport, profile, path: str, temperature: flo
             completion = torch.tensor([r.completion_ids])
             with torch.no_grad():
                 logits = policy.completion_logits(prompt, torch.ones_like(prompt), completion,
-                                                  torch.ones_like(completion), train=True)[0].float() / temperature
+                                                  torch.ones_like(completion), train=True)[0].float().cpu() / temperature
             width = max(len(r.top_ids[j]) for j in rows)
             top_ids = torch.full((len(rows), width), -1, dtype=torch.long)
             top_logp = torch.full((len(rows), width), float("-inf"), dtype=torch.float64)

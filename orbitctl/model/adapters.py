@@ -168,8 +168,11 @@ def _bottleneck_cls():
         def __init__(self, mlp, hidden: int, dim: int, dtype) -> None:
             super().__init__()
             self.mlp = mlp
-            self.down = torch.nn.Linear(hidden, dim, dtype=dtype)
-            self.up = torch.nn.Linear(dim, hidden, dtype=dtype)
+            # initialised on the CPU (the same numbers for one seed wherever it runs), then moved
+            # next to the MLP's weights
+            device = next(mlp.parameters()).device
+            self.down = torch.nn.Linear(hidden, dim, dtype=dtype).to(device)
+            self.up = torch.nn.Linear(dim, hidden, dtype=dtype).to(device)
             torch.nn.init.zeros_(self.up.weight)
             torch.nn.init.zeros_(self.up.bias)
             self.adapter_enabled = True

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Samples:
-    """A batch of completions sampled on the infer path (all tensors on CPU)."""
+    """A batch of completions sampled on the infer path (all tensors on the CPU, wherever the model runs)."""
 
     prompt_ids: "torch.Tensor"          # [B, P] left-padded
     prompt_mask: "torch.Tensor"         # [B, P]
@@ -79,6 +79,11 @@ class Policy:
         self.model.config.use_cache = True
 
     # -- parameters --------------------------------------------------------------------
+    @property
+    def device(self):
+        """Where the model's weights are (DeepSpeed may move them after construction)."""
+        return next(self.model.parameters()).device
+
     def trainable_parameters(self):
         return [p for p in self.model.parameters() if p.requires_grad]
 
@@ -102,13 +107,15 @@ class Policy:
 
         self.model.eval()
         batch = prompt_ids.shape[0]
+        device = self.device
+        prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
         with torch.no_grad():
             mask = prompt_mask.clone()
             out = self.model(input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids_for(mask),
                              use_cache=True, output_hidden_states=keep_hidden)
             cache, logits = getattr(out, self._cache_kw), out.logits[:, -1, :]
             next_pos = mask.sum(-1, keepdim=True)
-            finished = torch.zeros(batch, dtype=torch.bool)
+            finished = torch.zeros(batch, dtype=torch.bool, device=device)
             tokens, logps, keep, dists, raw, hidden = [], [], [], [], [], []
             for _ in range(max_new_tokens):
                 scaled = logits.float() / (temperature if temperature > 0 else 1.0)
@@ -119,7 +126,8 @@ class Policy:
                 logdist = torch.log_softmax(scaled, dim=-1)
                 if temperature > 0:
                     probs = torch.softmax(_top_p_filter(scaled, top_p), dim=-1)
-                    token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+                    # drawn on the CPU generator wherever the model runs: one seed, one sequence of draws
+                    token = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
                 else:
                     token = scaled.argmax(-1)
                 alive = ~finished
@@ -137,9 +145,11 @@ class Policy:
                                  use_cache=True, output_hidden_states=keep_hidden, **{self._cache_kw: cache})
                 cache, logits = getattr(out, self._cache_kw), out.logits[:, -1, :]
                 next_pos = next_pos + 1
-        return Samples(prompt_ids, prompt_mask, torch.stack(tokens, 1), torch.stack(keep, 1),
-                       torch.stack(logps, 1), torch.stack(dists, 1) if keep_dist else None,
-                       torch.stack(raw, 1) if keep_logits else None, torch.stack(hidden, 1) if keep_hidden else None)
+        def host(parts):
+            return torch.stack(parts, 1).cpu() if parts else None
+
+        return Samples(prompt_ids.cpu(), prompt_mask.cpu(), host(tokens), host(keep), host(logps), host(dists),
+                       host(raw), host(hidden))
 
     def decode(self, completion_ids, completion_mask) -> list[str]:
         rows = []
@@ -156,8 +166,9 @@ class Policy:
         """
         import torch
 
-        ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        device = self.device
+        ids = torch.cat([prompt_ids, completion_ids], dim=1).to(device)
+        mask = torch.cat([prompt_mask, completion_mask], dim=1).to(device)
         self.model.train(train)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=False,
                          output_hidden_states=with_hidden)

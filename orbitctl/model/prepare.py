@@ -127,8 +127,20 @@ def quant_summary(quantized_dir: Path) -> str | None:
             f"({report_file})")
 
 
-def load_policy(profile, base: PreparedBase):
-    """The frozen base from disk with fresh adapters attached, as a :class:`Policy`."""
+def policy_device(profile) -> str:
+    """This rank's GPU when the profile names one and CUDA is there (LOCAL_RANK picks it), else the CPU."""
+    import torch
+
+    if profile.hardware.gpu == "cpu" or not torch.cuda.is_available():
+        return "cpu"
+    index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
+def load_policy(profile, base: PreparedBase, device: str | None = None):
+    """The frozen base from disk with fresh adapters attached, as a :class:`Policy`, on ``device``
+    (default :func:`policy_device`): the base is loaded straight onto it, never whole on the host."""
     import torch
     from transformers import AutoTokenizer
 
@@ -137,7 +149,7 @@ def load_policy(profile, base: PreparedBase):
     from orbitctl.model.policy import Policy
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[profile.quant.compute_dtype]
-    model = load_frozen_base(str(base.quantized_dir), device="cpu", compute_dtype=dtype)
+    model = load_frozen_base(str(base.quantized_dir), device=device or policy_device(profile), compute_dtype=dtype)
     tok_dir = base.quantized_dir if (base.quantized_dir / "tokenizer.json").exists() or base.source_dir is None else base.source_dir
     tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
     tokenizer.padding_side = "left"

@@ -76,7 +76,8 @@ def old_logprobs(policy, batch, micro: int, temperature: float):
             logdist = _train_logdist(policy, {"prompt_ids": batch.prompt_ids[rows], "prompt_mask": batch.prompt_mask[rows],
                                               "completion_ids": batch.completion_ids[rows],
                                               "completion_mask": batch.completion_mask[rows]}, temperature, train=False)
-            out.append(logdist.gather(-1, batch.completion_ids[rows, :, None]).squeeze(-1))
+            ids = batch.completion_ids[rows, :, None].to(logdist.device)
+            out.append(logdist.gather(-1, ids).squeeze(-1).cpu())  # the batch stays on the host
     return torch.cat(out, 0) * batch.completion_mask
 
 
@@ -85,6 +86,8 @@ def micro_loss(policy, mb, profile, token_total: float, stats: StepStats):
     import torch
 
     rl, temperature = profile.rl, profile.rollout.temperature
+    device = policy.device  # the rollout batch lives on the host; this micro-batch goes where the model is
+    mb = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
     mask = mb["completion_mask"].float()
     logdist = _train_logdist(policy, mb, temperature)
     logp = logdist.gather(-1, mb["completion_ids"][..., None]).squeeze(-1) * mask
