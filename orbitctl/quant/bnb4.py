@@ -7,8 +7,8 @@ sized chunks, with the bucket found through a lookup table, gives the same bits 
 times faster on one core: [-1, 1] is cut into 2^16 equal cells, each cell stores how many
 midpoints lie below it and the one midpoint inside it (if any), and a value's bucket is
 ``below[cell] + (value > inside[cell])`` -- one exact comparison, so the result is the same as
-counting the midpoints below the value, which is what ``torch.bucketize`` computes. The absmax double quantization and the ``QuantState`` come from
-bitsandbytes itself. Anything unusual (CUDA tensors, a matrix that is not a whole number of
+counting the midpoints below the value, which is what ``torch.bucketize`` computes. The absmax
+double quantization and the ``QuantState`` come from bitsandbytes itself. Anything unusual (CUDA tensors, a matrix that is not a whole number of
 blocks) goes straight to bitsandbytes.
 """
 
@@ -22,7 +22,8 @@ import torch
 # Elements per chunk: the float32 working set stays in L2. With intra-op threads on, chunks stay
 # at torch's parallel grain size so each op runs on the calling thread (larger ones hand every
 # small op to the OpenMP pool, which costs more than it saves on a busy two-core machine); the
-# converter runs with one intra-op thread and can afford chunks 4x larger (25% faster).
+# converter runs with one intra-op thread per worker and larger chunks, so its two workers make
+# fewer, longer calls and rarely wait on each other (every chunk buffer is preallocated).
 CHUNK = 1 << 15
 CHUNK_SINGLE_THREAD = 1 << 19
 
@@ -79,6 +80,7 @@ def _codes(scaled: torch.Tensor, midpoints: list[float], mask: torch.Tensor, out
     if table is not None and work is not None and cell is not None:
         below, inside = table
         cell.copy_(_cell(scaled, work))  # float -> int32 truncates; index_select takes int32 indices
+        cell.clamp_(0, 2 * CELLS_PER_UNIT)  # a NaN weight gets code 0, as counting midpoints gives it
         torch.index_select(below, 0, cell, out=out)
         torch.gt(scaled, torch.index_select(inside, 0, cell, out=work), out=mask)
         out.add_(mask.view(torch.uint8))
