@@ -24,7 +24,7 @@ def verify_alignment_command(
     adapter: Optional[str] = typer.Option(None, "--adapter", help="Adapter directory (default: the run's adapter/)."),
     prompts: Optional[str] = typer.Option(None, "--prompts", help="JSONL prompts (default: the profile's eval data)."),
     rollouts: Optional[str] = typer.Option(None, "--rollouts", help="An engine's rollouts with logprobs (OpenAI-compatible JSONL)."),
-    logits_a: Optional[str] = typer.Option(None, "--logits-a", help="Logit dump of the train side (safetensors, [tokens, vocab])."),
+    logits_a: Optional[str] = typer.Option(None, "--logits-a", help="Logit dump of the train side: safetensors, tensor logits of tokens x vocab."),
     logits_b: Optional[str] = typer.Option(None, "--logits-b", help="Logit dump of the infer side."),
     run: Optional[str] = typer.Option(None, "--run", help="A run directory: entropy stability and the online mismatch trend."),
     infer_quant: Optional[str] = typer.Option(None, "--infer-quant", help=INFER_QUANT_HELP),
