@@ -30,7 +30,15 @@ XIDS: dict[int, tuple[str, str, str]] = {
     119: (FAIL, "GSP RPC timeout", "Update the driver (GSP firmware); reset the GPU; try NVreg_EnableGpuFirmware=0 on older drivers"),
     120: (FAIL, "GSP error", "Update the driver (GSP firmware); reset the GPU"),
     121: (WARN, "C2C link corrected errors", "Watch the counters; RMA if they rise"),
+    137: (WARN, "NVLink FLA privilege error", "Check the fabric address (FLA) setup and the driver; update the driver"),
     140: (FAIL, "ECC unrecovered error", "Drain the node; reset the GPU; RMA if it repeats"),
+    142: (FAIL, "ECC unrecovered error", "Drain the node; reset the GPU; RMA if it repeats"),
+    143: (FAIL, "GPU initialization failure", "Reset the GPU or reboot; update the driver; RMA if it repeats"),
+    **{code: (FAIL, f"NVLink {unit} error",
+              "Check `nvidia-smi nvlink -s` and `-e`; reset the GPU; the message's intrinfo sub-code says whether "
+              "a reset suffices or the link or GPU needs service")
+       for code, unit in ((144, "SAW"), (145, "RLW"), (146, "TLW"), (147, "TREX"), (148, "NVLPW_CTRL"),
+                          (149, "NETIR"), (150, "MSE"))},
 }
 
 

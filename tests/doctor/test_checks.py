@@ -112,6 +112,8 @@ def test_evidence_names_the_bad_gpu_and_fix_is_concrete():
      "xid.recent", INFO),
     (lambda s: setattr(s.kernel_log, "xid_lines", ["NVRM: Xid (PCI:0000:18:00): 94, pid=1, Contained ECC error"]),
      "xid.recent", WARN),
+    (lambda s: setattr(s.kernel_log, "xid_lines", ["NVRM: Xid (PCI:0000:dc:00): 149, NETIR_LINK_EVT Fatal error"]),
+     "xid.recent", FAIL),
     (lambda s: s.env.pop("PYTORCH_CUDA_ALLOC_CONF"), "env.alloc", INFO),
     (lambda s: setattr(s.torch, "device_count", 7), "gpu.count", FAIL),
 ])
