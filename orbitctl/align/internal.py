@@ -8,9 +8,13 @@ sides are temperature-scaled the way the trainer scales them, so what is compare
 distribution the rollout sampled from against the one the loss differentiates.
 
 By default the two paths share one model: the adapter-first premise (same quantized weights,
-same unmerged adapter). ``infer_quant`` serves the infer path from a copy of the same source
-weights stored in another format, and ``perturb`` scales one layer's norm weights on that
-copy: the what-if and the injected fault the gates must catch.
+same unmerged adapter), and then the comparison is the kernel floor itself
+(:mod:`orbitctl.align.floor`). ``infer_quant`` serves the infer path from a copy of the same
+source weights stored in another format, and ``perturb`` scales one layer's norm weights on that
+copy: the what-if and the injected fault the gates must catch. With a separate copy the trainer's
+own weights also decode the sampled tokens through the KV cache (teacher-forced), which measures
+the floor beside the comparison; ``--per-layer`` names a layer only where its error stands clear
+of that floor.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from orbitctl.align.floor import SAME_MODEL, KernelFloor, clear_of_floor, floor_from_table
 from orbitctl.errors import InputFileError, UserError
 
 INFER_FORMATS = ("nf4", "fp4", "int4", "fp8", "bf16")
@@ -60,6 +65,8 @@ class InternalComparison:
     """Infer-path log-prob of each compared sampled token (float64 [N]), for the plot."""
     jump_cause: str | None = None
     """What differs between the paths at the first jump, from how the infer path was built."""
+    floor: KernelFloor | None = None
+    """The same-weights residual of the two paths on this machine (this comparison, or a second pass)."""
 
     def describe(self) -> dict:
         doc = {"source": "internal", "train_path": self.train_path, "infer_path": self.infer_path,
@@ -130,11 +137,14 @@ def _layer_names(n_states: int) -> list[str]:
     return ["embeddings"] + [f"layers.{i}" for i in range(n_states - 1)]
 
 
-def first_jump(errors: list[LayerError], floor: float = JUMP_FLOOR) -> LayerError | None:
-    """The first layer whose error reaches ``floor`` and at least doubles the layer before's."""
+def first_jump(errors: list[LayerError], floor: float = JUMP_FLOOR,
+               kernel_floor: list[float] | None = None) -> LayerError | None:
+    """The first layer whose error reaches ``floor``, at least doubles the layer before's and, where
+    the same-weights error of each layer (``kernel_floor``) was measured, stands clear of it."""
     previous = 0.0
-    for e in errors:
-        if e.rel_error >= floor and e.rel_error >= 2 * previous:
+    for i, e in enumerate(errors):
+        layer_floor = kernel_floor[i] if kernel_floor is not None else None
+        if e.rel_error >= floor and e.rel_error >= 2 * previous and clear_of_floor(e.rel_error, layer_floor):
             return e
         previous = e.rel_error
     return None
@@ -203,10 +213,13 @@ def compare_internal(profile, *, adapter: str | Path | None = None, prompts: lis
     vocab = int(train_policy.model.config.vocab_size)
     batch_size = max(1, min(batch_size, LOGITS_BUDGET_BYTES // (2 * 4 * vocab * profile.rollout.max_new_tokens)))
     table = TokenTable(k=profile.alignment.top_k)
+    separate = infer_policy is not train_policy
+    floor_table = TokenTable(k=profile.alignment.top_k) if separate else table
     generator = torch.Generator().manual_seed(profile.run.seed * 7919 + 17)
-    sq_diff = sq_norm = None
+    sq_diff = sq_norm = floor_sq_diff = None
     infer_logp = []
     completions = 0
+    logit_absmax, compute_dtype = 0.0, None
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
         ids, mask = infer_policy.encode_prompts(chunk)
@@ -217,27 +230,53 @@ def compare_internal(profile, *, adapter: str | Path | None = None, prompts: lis
             out = train_policy.completion_logits(samples.prompt_ids, samples.prompt_mask, samples.completion_ids,
                                                  samples.completion_mask, train=True, with_hidden=per_layer)
         train_logits, train_hidden = out if per_layer else (out, None)
+        compute_dtype = str(train_logits.dtype).removeprefix("torch.")
         train_logits = train_logits.float().cpu() / (temperature if temperature > 0 else 1.0)
         train_hidden = train_hidden.cpu() if train_hidden is not None else None
         keep = samples.completion_mask.bool()
         table.add(train_logits[keep], samples.logits[keep], samples.completion_ids[keep])
+        logit_absmax = max(logit_absmax, float(train_logits[keep].abs().max()))
         infer_logp.append(samples.logprobs[keep].double())
         completions += len(chunk)
+        own = None
+        if separate:  # the trainer's weights through the KV cache on the same tokens: the floor
+            own = train_policy.sample(samples.prompt_ids, samples.prompt_mask, max_new_tokens=0,
+                                      temperature=temperature, top_p=1.0, generator=None, keep_logits=True,
+                                      keep_hidden=per_layer, forced=(samples.completion_ids, samples.completion_mask))
+            floor_table.add(train_logits[keep], own.logits[keep], samples.completion_ids[keep])
         if per_layer:
-            diff = ((train_hidden - samples.hidden)[keep].double() ** 2).sum(dim=(0, 2))
+            diff = _sq_error(train_hidden, samples.hidden, keep)
             norm = (train_hidden[keep].double() ** 2).sum(dim=(0, 2))
             sq_diff = diff if sq_diff is None else sq_diff + diff
             sq_norm = norm if sq_norm is None else sq_norm + norm
+            if own is not None:
+                own_diff = _sq_error(train_hidden, own.hidden, keep)
+                floor_sq_diff = own_diff if floor_sq_diff is None else floor_sq_diff + own_diff
         if on_progress:
             on_progress(min(start + batch_size, len(prompts)), len(prompts))
     result = InternalComparison(table, f"{train_fmt}, full-sequence forward (train mode, checkpointing "
                                        f"{'on' if profile.memory.gradient_checkpointing else 'off'})",
                                 infer_desc, str(adapter_dir) if adapter_dir else "fresh (untrained)",
                                 len(prompts), completions, notes=notes, infer_token_logp=torch.cat(infer_logp))
+    floor_layers = None
     if per_layer:
-        rel = (sq_diff / sq_norm.clamp_min(1e-300)).sqrt().tolist()
+        rel = _relative(sq_diff, sq_norm)
         result.layers = [LayerError(i, name, float(e)) for i, (name, e) in enumerate(zip(_layer_names(len(rel)), rel))]
-        result.jump = first_jump(result.layers)
+        floor_layers = _relative(floor_sq_diff, sq_norm) if separate else rel
+        result.jump = first_jump(result.layers, kernel_floor=floor_layers if separate else None)
         if result.jump is not None:
             result.jump_cause = jump_cause(result.jump, infer_quant, train_fmt, perturb)
+    result.floor = floor_from_table(
+        floor_table, compute_dtype=compute_dtype or "bfloat16", logit_absmax=logit_absmax, layers=floor_layers,
+        measured_as=("the trainer's weights decoded through the KV cache on the same tokens vs its "
+                     "full-sequence forward") if separate else SAME_MODEL)
     return result
+
+
+def _sq_error(train_hidden, infer_hidden, keep):
+    """Per-layer sum of squared differences over the kept positions, float64 [L+1]."""
+    return ((train_hidden - infer_hidden)[keep].double() ** 2).sum(dim=(0, 2))
+
+
+def _relative(sq_diff, sq_norm) -> list[float]:
+    return (sq_diff / sq_norm.clamp_min(1e-300)).sqrt().tolist()

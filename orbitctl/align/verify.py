@@ -7,6 +7,10 @@ Sources of per-token comparisons (one per call):
   * two logit dumps ``A`` (train side) and ``B`` (infer side), streamed chunk by chunk.
 A training run's ``metrics.jsonl`` (``run``) adds entropy stability and the online mismatch
 trend, alone or next to a token source.
+
+Every source with a model (internal, rollouts) also reports the kernel floor measured on this
+machine (:mod:`orbitctl.align.floor`): how far the trainer's own infer and train paths part on the
+same tokens with the same weights, so a mismatch can be read as kernels or as weights and format.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class AlignmentReport:
     table: object | None = None          # the TokenTable, for plots
     infer_token_logp: object | None = None
     layers: list | None = None
+    floor: object | None = None           # orbitctl.align.floor.KernelFloor, where a model ran
 
     @property
     def verdict(self) -> str:
@@ -39,7 +44,16 @@ class AlignmentReport:
     def to_dict(self) -> dict:
         return _json_safe({"verdict": self.verdict, "source": self.source, "tokens": self.tokens,
                            "gates": [g.to_dict() for g in self.gates], "metrics": self.summary, "run": self.run,
-                           "notes": self.notes})
+                           "floor": None if self.floor is None else self.floor.to_dict(),
+                           "floor_times": self.floor_times(), "notes": self.notes})
+
+    def floor_times(self) -> dict | None:
+        """For each floor metric, the comparison's mean over the floor's mean (None without a floor)."""
+        if self.floor is None or self.summary is None:
+            return None
+        from orbitctl.align.floor import FLOOR_METRICS
+
+        return {m: self.floor.times(self.summary, m) for m in FLOOR_METRICS if m in self.floor.summary}
 
 
 def _json_safe(value):
@@ -95,7 +109,7 @@ def verify_alignment(profile, *, adapter: str | None = None, prompts_file: str |
                                   per_layer=per_layer, perturb=perturb,
                                   on_progress=(lambda d, t: on_progress("compare", d, t)) if on_progress else None)
         report.source, report.table, report.notes = result.describe(), result.table, list(result.notes)
-        report.infer_token_logp, report.layers = result.infer_token_logp, result.layers
+        report.infer_token_logp, report.layers, report.floor = result.infer_token_logp, result.layers, result.floor
     elif token_source == "rollouts":
         _from_rollouts(report, profile, rollouts, engine_temperature, on_progress)
     elif token_source == "dumps":
@@ -150,6 +164,8 @@ def _from_dumps(report: AlignmentReport, alignment, path_a: str, path_b: str, on
                      "dtypes": [a.dtype, b.dtype], "token_ids": a.has_token_ids or b.has_token_ids}
     if not (a.has_token_ids or b.has_token_ids):
         report.notes.append("no token_ids in either dump: the sampled-token metrics (|dp|, |dlog p|, k3) are not computed")
+    report.notes.append("logit dumps carry no model: the kernel floor is not measured (run the internal check on "
+                        "the same machine for it)")
     report.table = table
     report.infer_token_logp = torch.cat(infer_logp) if infer_logp else None
 
@@ -157,6 +173,7 @@ def _from_dumps(report: AlignmentReport, alignment, path_a: str, path_b: str, on
 def _from_rollouts(report: AlignmentReport, profile, path: str, temperature: float, on_progress) -> None:
     import torch
 
+    from orbitctl.align.floor import floor_from_table
     from orbitctl.align.internal import load_adapter_into, resolve_adapter
     from orbitctl.align.metrics import COARSE_GRAIN_NOTE
     from orbitctl.align.rollouts import read_rollouts, resolve_ids
@@ -179,15 +196,23 @@ def _from_rollouts(report: AlignmentReport, profile, path: str, temperature: flo
     if skipped:
         report.notes.append(f"{skipped} of {len(sizes)} positions have no top_logprobs and are not compared")
     k = min(profile.alignment.top_k, k_engine)
-    table, infer_logp = TokenTable(k=k), []
+    table, floor_table, infer_logp = TokenTable(k=k), TokenTable(k=k), []
+    logit_absmax, compute_dtype = 0.0, "bfloat16"
     for i, r in enumerate(resolved):
         rows = [j for j, ids in enumerate(r.top_ids) if ids]
         if rows:
             prompt = torch.tensor([r.prompt_ids])
             completion = torch.tensor([r.completion_ids])
             with torch.no_grad():
-                logits = policy.completion_logits(prompt, torch.ones_like(prompt), completion,
-                                                  torch.ones_like(completion), train=True)[0].float().cpu() / temperature
+                raw = policy.completion_logits(prompt, torch.ones_like(prompt), completion,
+                                               torch.ones_like(completion), train=True)[0]
+            compute_dtype = str(raw.dtype).removeprefix("torch.")
+            logits = raw.float().cpu() / temperature
+            # the floor: the trainer's own KV-cache decode of the engine's tokens against its full forward
+            own = policy.sample(prompt, torch.ones_like(prompt), max_new_tokens=0, temperature=temperature, top_p=1.0,
+                                generator=None, keep_logits=True, forced=(completion, torch.ones_like(completion)))
+            floor_table.add(logits[rows], own.logits[0, rows], completion[0, rows])
+            logit_absmax = max(logit_absmax, float(logits[rows].abs().max()))
             width = max(len(r.top_ids[j]) for j in rows)
             top_ids = torch.full((len(rows), width), -1, dtype=torch.long)
             top_logp = torch.full((len(rows), width), float("-inf"), dtype=torch.float64)
@@ -205,4 +230,7 @@ def _from_rollouts(report: AlignmentReport, profile, path: str, temperature: flo
                      "engine_temperature": temperature}
     report.notes.append(COARSE_GRAIN_NOTE)
     report.table = table
+    report.floor = floor_from_table(floor_table, compute_dtype=compute_dtype, logit_absmax=logit_absmax,
+                                    measured_as="the trainer's weights decoded through the KV cache on the engine's "
+                                                "tokens vs its full-sequence forward")
     report.infer_token_logp = torch.cat(infer_logp) if infer_logp else None

@@ -29,7 +29,8 @@ def doctor(
     expect_gpus: Optional[int] = typer.Option(None, "--expect-gpus", min=1, help="GPUs this node must have."),
     active: bool = typer.Option(False, "--active", help="Also run a live all-reduce and `dcgmi diag -r 1` (takes minutes)."),
     machine: Optional[bool] = typer.Option(None, "--machine/--no-machine",
-                                           help="Check the machine too (default: yes, unless only --log is given)."),
+                                           help="Check the machine too (default: yes, unless --log is given without --snapshot, "
+                                                "--save-snapshot, --expect-gpus or --active)."),
     json_out: bool = JsonOption,
 ) -> None:
     """Diagnose the machine (driver, GPUs, ECC, PCIe, NVLink, NUMA, NCCL env) and a failed run's log.

@@ -43,6 +43,14 @@ def plan(
     """
     from orbitctl.plan import run_plan
 
+    if list_archs:
+        extra = [name for name, given in (("PROFILE", profile), ("--set", set_), ("--sweep", sweep), ("--measure", measure))
+                 if given]
+        if extra:
+            from orbitctl.errors import UserError
+
+            raise UserError(f"--list-archs lists the built-in architectures and takes no {', '.join(extra)}",
+                            fix="run orbitctl plan --list-archs on its own (--json is fine)")
     result = run_plan(profile, overrides(set_), sweeps=list(sweep or []), measure=measure, list_archs=list_archs)
     if json_out:
         output.emit_json(result.to_dict())

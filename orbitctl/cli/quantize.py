@@ -19,19 +19,22 @@ from orbitctl.errors import UserError
 def quantize(
     target: Optional[str] = typer.Argument(None, metavar="PROFILE | SRC", help="A profile YAML, or a checkpoint directory (then OUT and --format)."),
     out: Optional[str] = typer.Argument(None, metavar="[OUT]", help="Output directory (with SRC)."),
-    fmt: Optional[str] = typer.Option(None, "--format", "-f", help="nf4, fp4, int4, fp8 or none (with SRC; a profile says quant.format)."),
-    group_size: int = typer.Option(64, "--group-size", help="bnb block size (nf4/fp4) or INT4 group (32/64/128)."),
-    double_quant: bool = typer.Option(True, "--double-quant/--no-double-quant", help="nf4/fp4: quantize the absmax scales again."),
-    storage_dtype: str = typer.Option("bf16", "--storage-dtype", help="nf4/fp4 packed storage dtype: bf16 (ZeRO-3 shardable) or uint8."),
-    modules: str = typer.Option("all-linear", "--modules", help="all-linear, or experts (routed experts only)."),
-    skip: Optional[List[str]] = typer.Option(None, "--skip", help="Module-name substring kept in bf16 (repeatable; default lm_head)."),
-    max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest output shard, e.g. 2GB, 500MB."),
-    eval_prompts: int = typer.Option(0, "--eval-prompts", min=0, help="Compare next-token distributions on N prompts (model must fit in RAM)."),
+    fmt: Optional[str] = typer.Option(None, "--format", "-f", help="nf4, fp4, int4, fp8 or none (required with SRC; with a profile it sets quant.format)."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="bnb block size (nf4/fp4) or INT4 group (32/64/128); unset: quant.group_size."),
+    double_quant: Optional[bool] = typer.Option(None, "--double-quant/--no-double-quant", help="nf4/fp4: quantize the absmax scales again; unset: quant.double_quant."),
+    storage_dtype: Optional[str] = typer.Option(None, "--storage-dtype", help="nf4/fp4 packed storage dtype: bf16 (ZeRO-3 shardable) or uint8; unset: quant.storage_dtype."),
+    modules: Optional[str] = typer.Option(None, "--modules", help="all-linear, or experts (routed experts only); unset: quant.modules."),
+    skip: Optional[List[str]] = typer.Option(None, "--skip", help="Module-name substring kept in bf16 (repeatable); unset: quant.skip."),
+    max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="Largest output shard, e.g. 2GB (the default), 500MB."),
+    eval_prompts: Optional[int] = typer.Option(None, "--eval-prompts", min=0, help="Compare next-token distributions on N prompts (model must fit in RAM); default 0."),
     verify: Optional[str] = typer.Option(None, "--verify", metavar="OUT", help="Re-hash a finished output against its manifest and exit."),
     set_: Optional[List[str]] = SetOption,
     json_out: bool = JsonOption,
 ) -> None:
     """Quantize a checkpoint tensor by tensor (nf4, fp4, int4, fp8), with a quality report; resumable.
+
+    Unset flags take the profile schema's quant defaults. With a profile, a flag sets its quant key
+    (--group-size 32 is --set quant.group_size=32); with SRC OUT, --set takes quant.* keys.
 
     Examples:
 
@@ -43,9 +46,17 @@ def quantize(
 
         orbitctl quantize --verify out/llama-8b-nf4
     """
-    from orbitctl.quant.api import quantize_profile, run_quantize, verify_output
+    from orbitctl.quant.api import quantize_profile, run_quantize, src_out_options, verify_output
 
+    sets = overrides(set_)
+    flags = _quant_flags(fmt, group_size, double_quant, storage_dtype, modules, skip)
     if verify:
+        extra = [label for label, _ in flags.values()]
+        extra += [name for name, given in (("PROFILE | SRC", target), ("OUT", out), ("--max-shard-size", max_shard_size),
+                                           ("--eval-prompts", eval_prompts), ("--set", sets)) if given not in (None, [])]
+        if extra:
+            raise UserError(f"--verify re-hashes a finished output and takes nothing else (got {', '.join(extra)})",
+                            fix="run orbitctl quantize --verify OUT on its own (--json is fine)")
         result = verify_output(verify)
         if json_out:
             output.emit_json(result)
@@ -54,19 +65,54 @@ def quantize(
         return
     if target is None:
         raise UserError("nothing to quantize", fix="pass a profile, or SRC OUT --format FMT, or --verify OUT (see orbitctl quantize --help)")
+    evals = 0 if eval_prompts is None else eval_prompts
+    shard = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    if out is None:
+        from orbitctl.profile.support import refuse_overrides_outside
+
+        refuse_overrides_outside(sets, ("quant", "model.path", "model.quantized_path"), "quantize PROFILE",
+                                 fix="drop it: quantize writes model.path into model.quantized_path with the quant section")
+        sets = sets + _flag_overrides(flags, sets)
+    else:
+        options = src_out_options(flags, sets)
     with _progress_bar(enabled=not json_out) as progress:
         if out is None:
-            result = quantize_profile(target, overrides(set_), progress=progress, eval_prompts=eval_prompts)
+            result = quantize_profile(target, sets, progress=progress, eval_prompts=evals, **shard)
         else:
-            if fmt is None:
-                raise UserError("--format is required with SRC OUT", fix="add --format nf4 (or fp4, int4, fp8)")
-            result = run_quantize(target, out, fmt=fmt, group_size=group_size, double_quant=double_quant,
-                                  storage_dtype=storage_dtype, modules=modules, skip=tuple(skip) if skip else ("lm_head",),
-                                  max_shard_size=max_shard_size, progress=progress, eval_prompts=eval_prompts)
+            result = run_quantize(target, out, **options, progress=progress, eval_prompts=evals, **shard)
     if json_out:
         output.emit_json(result.to_dict())
     else:
         _render(result)
+
+
+def _quant_flags(fmt, group_size, double_quant, storage_dtype, modules, skip) -> dict:
+    """The quant flags given on the command line: field -> (flag as typed, value)."""
+    given = {
+        "format": ("--format", fmt),
+        "group_size": ("--group-size", group_size),
+        "double_quant": ("--double-quant" if double_quant else "--no-double-quant", double_quant),
+        "storage_dtype": ("--storage-dtype", storage_dtype),
+        "modules": ("--modules", modules),
+        "skip": ("--skip", list(skip) if skip else None),
+    }
+    return {name: pair for name, pair in given.items() if pair[1] is not None}
+
+
+def _flag_overrides(flags: dict, sets: list[str]) -> list[str]:
+    """PROFILE mode: each quant flag as the ``quant.KEY=VALUE`` override it stands for."""
+    import json
+
+    from orbitctl.profile.support import given_keys
+
+    keys = set(given_keys(sets))
+    extra = []
+    for name, (label, value) in flags.items():
+        clash = f"quant.{name}" if f"quant.{name}" in keys else ("quant" if "quant" in keys else None)
+        if clash:
+            raise UserError(f"{label} and --set {clash} both set quant.{name}", fix="give the value once")
+        extra.append(f"quant.{name}={json.dumps(value)}")
+    return extra
 
 
 class _progress_bar:

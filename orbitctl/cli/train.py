@@ -33,9 +33,12 @@ def train_command(
         orbitctl train profiles/tiny-cpu.yaml --fresh --json
     """
     from orbitctl.profile import load_profile
+    from orbitctl.profile.support import TRAIN, given_keys, refuse_unsupported
     from orbitctl.rl.trainer import train
 
-    profile = load_profile(profile_path, overrides(set_))
+    sets = overrides(set_)
+    profile = load_profile(profile_path, sets)
+    refuse_unsupported(profile, TRAIN, given_keys(sets))  # before any data, model or process group
     view = None if json_out else LiveView(profile.rl.steps if steps is None else steps, profile.run.log_every)
     try:
         result = train(profile, fresh=fresh, steps=steps, on_event=view.event if view else None)

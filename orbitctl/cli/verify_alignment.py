@@ -30,9 +30,10 @@ def verify_alignment_command(
     infer_quant: Optional[str] = typer.Option(None, "--infer-quant", help=INFER_QUANT_HELP),
     per_layer: bool = typer.Option(False, "--per-layer", help="Compare hidden states layer by layer; name where they part."),
     perturb_layer: Optional[int] = typer.Option(None, "--perturb-layer", hidden=True),
-    perturb_scale: float = typer.Option(0.5, "--perturb-scale", hidden=True),
-    engine_temperature: float = typer.Option(1.0, "--engine-temperature", min=1e-6,
-                                             help="Temperature the engine's logprobs were taken at (vLLM's default: raw, 1.0)."),
+    perturb_scale: Optional[float] = typer.Option(None, "--perturb-scale", hidden=True),
+    engine_temperature: Optional[float] = typer.Option(None, "--engine-temperature", min=1e-6,
+                                                       help="With --rollouts: the temperature the engine's logprobs were taken at "
+                                                            "(default 1.0, vLLM's raw logprobs)."),
     plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG: JS histogram, |dlog p| vs p, per-layer error."),
     set_: Optional[List[str]] = SetOption,
     json_out: bool = JsonOption,
@@ -52,23 +53,34 @@ def verify_alignment_command(
     from orbitctl.align.verify import verify_alignment
     from orbitctl.errors import CheckFailed, UserError
 
+    sets = overrides(set_)
+    source = _token_source(rollouts, logits_a, logits_b, run, prompts, adapter, infer_quant, per_layer)
+    _refuse_flags_outside(source, adapter=adapter, prompts=prompts, perturb_layer=perturb_layer,
+                          perturb_scale=perturb_scale, engine_temperature=engine_temperature, plot=plot)
     profile = None
     if profile_path is not None:
         from orbitctl.profile import load_profile
+        from orbitctl.profile.support import VERIFY_INTERNAL, VERIFY_ROLLOUTS, given_keys, refuse_overrides_outside, \
+            refuse_unsupported
 
-        profile = load_profile(profile_path, overrides(set_))
+        profile = load_profile(profile_path, sets)
+        if source in ("internal", "rollouts"):
+            refuse_unsupported(profile, VERIFY_INTERNAL if source == "internal" else VERIFY_ROLLOUTS, given_keys(sets))
+        else:
+            refuse_overrides_outside(sets, ("alignment",), f"verify-alignment {_SOURCE_FLAGS[source]}",
+                                     fix="drop it: these comparisons run no model and judge only the alignment gates")
     elif set_:
         raise UserError("--set needs a PROFILE", fix="orbitctl verify-alignment PROFILE --set KEY=VALUE")
     perturb = None
     if perturb_layer is not None:
         from orbitctl.align.internal import Perturbation
 
-        perturb = Perturbation(perturb_layer, perturb_scale)
+        perturb = Perturbation(perturb_layer, 0.5 if perturb_scale is None else perturb_scale)
     progress = None if json_out else Progress()
     try:
         report = verify_alignment(profile, adapter=adapter, prompts_file=prompts, rollouts=rollouts, logits_a=logits_a,
                                   logits_b=logits_b, run=run, infer_quant=infer_quant, per_layer=per_layer,
-                                  perturb=perturb, engine_temperature=engine_temperature,
+                                  perturb=perturb, engine_temperature=1.0 if engine_temperature is None else engine_temperature,
                                   on_progress=progress.update if progress else None)
     finally:
         if progress:
@@ -87,6 +99,44 @@ def verify_alignment_command(
         raise CheckFailed(f"alignment gates failed: {', '.join(failed)}")
 
 
+_SOURCE_FLAGS = {"internal": "(internal check)", "rollouts": "--rollouts", "dumps": "--logits-a/--logits-b",
+                 None: "--run (alone)"}
+
+
+def _token_source(rollouts, logits_a, logits_b, run, prompts, adapter, infer_quant, per_layer) -> str | None:
+    """Which comparison runs, as the library picks it: rollouts, dumps, internal, or None (--run alone)."""
+    if rollouts:
+        return "rollouts"
+    if logits_a or logits_b:
+        return "dumps"
+    if run and not (prompts or adapter or infer_quant or per_layer):
+        return None
+    return "internal"
+
+
+def _refuse_flags_outside(source: str | None, *, adapter, prompts, perturb_layer, perturb_scale, engine_temperature,
+                          plot) -> None:
+    """Refuse a flag the chosen comparison would not use."""
+    from orbitctl.errors import UserError
+
+    where = f"with verify-alignment {_SOURCE_FLAGS[source]}"
+    unused = []
+    if source != "internal":
+        unused += [("--adapter", adapter, where, "--rollouts recomputes with the adapter of the profile's run (run.dir); "
+                                                 "dumps and --run run no model"),
+                   ("--prompts", prompts, where, "--rollouts takes its prompts from the rollouts file; dumps and --run use none"),
+                   ("--perturb-layer", perturb_layer, where, "only the internal check builds an infer copy to perturb")]
+    if source != "rollouts":
+        unused.append(("--engine-temperature", engine_temperature, where, "only --rollouts reads an engine's logprobs"))
+    if source is None:
+        unused.append(("--plot", plot, where, "--run alone compares no tokens to plot"))
+    if perturb_layer is None:
+        unused.append(("--perturb-scale", perturb_scale, "without --perturb-layer", "it scales the fault that one injects"))
+    for flag, value, context, why in unused:
+        if value is not None:
+            raise UserError(f"{flag} does nothing {context}: {why}", fix=f"drop {flag}")
+
+
 def render(report, plot: str | None) -> None:
     from rich.table import Table
 
@@ -94,13 +144,28 @@ def render(report, plot: str | None) -> None:
     if src:
         where = ", ".join(f"{k}: {v}" for k, v in src.items() if k not in ("per_layer", "first_jump"))
         output.show(f"[bold]compared[/bold] {report.tokens:,} tokens ({where})")
+    floor = report.floor
     if report.summary:
         table = Table(title="per-token metrics (train vs infer)")
-        for col in ("metric", "mean", "p99", "max"):
+        columns = ("metric", "mean", "p99", "max") + (("floor mean", "floor max") if floor else ())
+        for col in columns:
             table.add_column(col, justify="left" if col == "metric" else "right")
         for name, stats in report.summary.items():
-            table.add_row(name, *(f"{stats[s]:.3g}" for s in ("mean", "p99", "max")))
+            cells = [f"{stats[s]:.3g}" for s in ("mean", "p99", "max")]
+            if floor:
+                cells += [f"{floor.summary[name][s]:.3g}" if name in floor.summary else "" for s in ("mean", "max")]
+            table.add_row(name, *cells)
         output.show(table)
+    if floor:
+        bound = floor.bound()
+        output.show(f"kernel floor ({floor.measured_as}; logits in {floor.compute_dtype}): "
+                    f"JS max {floor.summary['js']['max']:.3g}, one-ulp {floor.compute_dtype} bound "
+                    f"{bound['js']:.3g}")
+        times = report.floor_times() or {}
+        if floor.is_the_comparison:
+            output.show("this comparison is the floor: both paths run the same model")
+        elif times.get("js") is not None:
+            output.show(f"this comparison is {times['js']:.3g}x the floor in JS (mean)")
     if report.layers:
         layers = Table(title="hidden-state relative error by layer")
         layers.add_column("layer")

@@ -31,7 +31,7 @@ def take_snapshot(gpu_probe: Any = None, *, probe_torch: bool = True) -> Snapsho
 
 def _load_checks() -> None:
     # Importing the modules registers their checks, in this order.
-    from orbitctl.doctor import checks_gpu, checks_topo, checks_env, checks_profile, active  # noqa: F401, I001
+    from orbitctl.doctor import checks_gpu, checks_topo, checks_env, checks_cpu, checks_profile, active  # noqa: F401, I001
 
 
 def run_checks(snapshot: Snapshot, *, expect_gpus: int | None = None, profile: Any = None,
@@ -91,7 +91,20 @@ def diagnose(*, snapshot_path: str | None = None, save_snapshot_path: str | None
     on another computer than the one it came from).
     """
     from orbitctl.doctor.checks_base import NO_GPU
+    from orbitctl.errors import UserError
 
+    if overrides and not profile_path:
+        raise UserError("--set needs --profile", fix="orbitctl doctor --profile PROFILE --set KEY=VALUE")
+    if machine is False:
+        if not log:
+            raise UserError("--no-machine without --log leaves nothing to check", fix="add --log FILE, or drop --no-machine")
+        machine_only = [flag for flag, given in (("--snapshot", snapshot_path), ("--save-snapshot", save_snapshot_path),
+                                                 ("--expect-gpus", expect_gpus is not None), ("--active", active)) if given]
+        if machine_only:
+            raise UserError(f"--no-machine with {', '.join(machine_only)}: they check a machine",
+                            fix="drop --no-machine, or drop " + ", ".join(machine_only))
+    if machine is None and log and (expect_gpus is not None or active):
+        machine = True  # both check the machine, so a log is not all there is to read
     profile = None
     if profile_path:
         from orbitctl.profile import load_profile

@@ -1,4 +1,4 @@
-"""Host probes: torch build (in a subprocess), NUMA, /dev/shm, kernel log, env, MASTER_PORT.
+"""Host probes: torch build (in a subprocess), CPU, NUMA, /dev/shm, kernel log, env, MASTER_PORT.
 
 Each probe returns its Snapshot section and never raises: what it cannot see stays None
 or carries a status (missing, unreadable) that the checks turn into SKIP or UNKNOWN.
@@ -18,12 +18,12 @@ import sys
 from datetime import datetime, timezone
 
 from orbitctl.doctor.probe_nvml import GpuProbe, NvmlProbe
-from orbitctl.doctor.snapshot import Host, KernelLog, MasterPort, ProcessBinding, Shm, Snapshot, TorchInfo
+from orbitctl.doctor.snapshot import Cpu, Host, KernelLog, MasterPort, ProcessBinding, Shm, Snapshot, TorchInfo
 from orbitctl.doctor.sysfs import read_numa_nodes, read_process_binding, read_text
 
 ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "CUDA_", "PYTORCH_", "TORCH_FR_")
 ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LD_LIBRARY_PATH", "LD_PRELOAD",
-             "OMP_NUM_THREADS", "BNB_CUDA_VERSION")
+             "OMP_NUM_THREADS", "BNB_CUDA_VERSION", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 DEFAULT_MASTER_PORT = 29500
 XID_LINE = re.compile(r"NVRM: Xid|fallen off the bus")
 
@@ -51,6 +51,10 @@ try:
     out["nccl_version"] = ".".join(str(x) for x in v) if isinstance(v, tuple) else (str(v) if v else None)
 except Exception:
     out["nccl_version"] = None
+try:
+    out["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+except Exception:
+    out["cpu_capability"] = None
 try:
     maps = open("/proc/self/maps").read().splitlines()
     out["loaded_nccl"] = sorted({l.split()[-1] for l in maps if "libnccl" in l and "/" in l})
@@ -101,6 +105,7 @@ def probe_host() -> Host:
             cpus = None
     host.process = ProcessBinding(pid=os.getpid(), cpus_allowed=cpus, mems_allowed=binding.get("mems"))
     host.shm = probe_shm()
+    host.cpu = probe_cpu()
     host.cmdline = read_text("/proc/cmdline")
     try:
         host.net_interfaces = sorted(os.listdir("/sys/class/net"))
@@ -113,6 +118,16 @@ def probe_host() -> Host:
             setattr(host, attr, int(m.group(1)) * 1024)
     host.acs_enabled_bridges = probe_acs()
     return host
+
+
+def probe_cpu(path: str = "/proc/cpuinfo") -> Cpu:
+    """CPU model and the ISA flags that decide bf16 speed, from /proc/cpuinfo (``path`` in tests)."""
+    from orbitctl.model.cpu_dtype import ISA_FLAGS, read_host_cpu
+
+    info = read_host_cpu(path)
+    if info is None:
+        return Cpu(status="unreadable", model=platform.processor() or None, arch=platform.machine() or None)
+    return Cpu(status="ok", model=info.model, arch=info.arch or None, flags=[f for f in ISA_FLAGS if f in info.flags])
 
 
 def probe_shm(path: str = "/dev/shm") -> Shm:

@@ -123,6 +123,17 @@ class TorchInfo(Part):
     arch_list: list[str] = Field(default_factory=list)
     capabilities: list[list[int]] = Field(default_factory=list)
     nccl_version: str | None = None
+    cpu_capability: str | None = None
+    """torch.backends.cpu.get_cpu_capability(): the CPU kernels torch picks (AVX512, AVX2, ...; honours ATEN_CPU_CAPABILITY)."""
+
+
+class Cpu(Part):
+    status: Literal["ok", "unreadable", "missing"] = "missing"
+    """ok: /proc/cpuinfo was read; unreadable: it could not be; missing: not probed (an older snapshot)."""
+    model: str | None = None
+    arch: str | None = None
+    flags: list[str] = Field(default_factory=list)
+    """The ISA flags the checks look at that this CPU has: avx2, avx512f, avx512_bf16, amx_tile, amx_bf16."""
 
 
 class Shm(Part):
@@ -153,6 +164,8 @@ class Host(Part):
     mem_available_bytes: int | None = None
     acs_enabled_bridges: list[str] | None = None
     """PCI bridges with ACS source validation on (lspci -vvv, root only); None = not seen."""
+    cpu: Cpu = Field(default_factory=Cpu)
+    """The CPU model and ISA flags (/proc/cpuinfo)."""
 
 
 class KernelLog(Part):

@@ -1,6 +1,7 @@
 """Trainable adapters on a frozen base: LoRA through PEFT, and the bottleneck adapter.
 
-Adapters are BF16 (``adapter.dtype``) and are never merged into the quantized weights: the
+Adapters are in ``adapter.dtype`` (bf16, fp32, or auto as resolved by
+:func:`orbitctl.model.cpu_dtype.resolve_dtype`) and are never merged into the quantized weights: the
 same unmerged adapter serves the infer path and the train path.
 
 Bottleneck adapter file format (``adapter/``):
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orbitctl.errors import InputFileError, UserError
+from orbitctl.model.cpu_dtype import torch_dtype
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 MLP = ("gate_proj", "up_proj", "down_proj", "fc1", "fc2", "w1", "w2", "w3")
@@ -38,13 +40,17 @@ class AdapterReport:
     modules: list[str]
     trainable_params: int
     dim: int
+    dtypes: str = ""
+    """The compute and adapter dtypes in use, e.g. 'compute and adapter fp32 (auto: ...)'."""
 
     def summary(self) -> str:
         suffixes: dict[str, int] = {}
         for name in self.modules:
             suffixes[name.rsplit(".", 1)[-1]] = suffixes.get(name.rsplit(".", 1)[-1], 0) + 1
         parts = ", ".join(f"{s} x{n}" for s, n in sorted(suffixes.items()))
-        return f"{self.kind} dim {self.dim} on {len(self.modules)} modules ({parts}); {self.trainable_params:,} trainable parameters"
+        dtypes = f"; {self.dtypes}" if self.dtypes else ""
+        return (f"{self.kind} dim {self.dim} on {len(self.modules)} modules ({parts}); "
+                f"{self.trainable_params:,} trainable parameters{dtypes}")
 
 
 def _is_linear(module) -> bool:
@@ -91,7 +97,7 @@ def adapter_dim(rank, hidden_size: int) -> int:
 
 
 def attach_lora(model, section, hidden_size: int, *, seed: int):
-    """Wrap the base in a PeftModel with BF16 LoRA weights on the resolved targets."""
+    """Wrap the base in a PeftModel with LoRA weights in ``section.dtype`` on the resolved targets."""
     import torch
     from peft import LoraConfig, get_peft_model
 
@@ -106,7 +112,7 @@ def attach_lora(model, section, hidden_size: int, *, seed: int):
     config._register_custom_module({QuantLinear: _quant_lora_layer()})
     torch.manual_seed(seed)  # LoRA A init draws from the global generator
     peft_model = get_peft_model(model, config, autocast_adapter_dtype=False)
-    dtype = torch.bfloat16 if section.dtype == "bf16" else torch.float32
+    dtype = torch_dtype(section.dtype, next(model.parameters()).device)
     for name, param in peft_model.named_parameters():
         if "lora_" in name:
             param.data = param.data.to(dtype)
@@ -119,7 +125,6 @@ def load_lora(model, directory: str | Path, dtype: str = "bf16"):
     ``PeftModel.from_pretrained`` alone does not know orbitctl's INT4/FP8 layers and builds the
     adapter in float32; this registers the layers and keeps the adapter in its trained dtype.
     """
-    import torch
     from peft import LoraConfig, PeftModel
 
     from orbitctl.model.quant_linear import QuantLinear
@@ -127,7 +132,7 @@ def load_lora(model, directory: str | Path, dtype: str = "bf16"):
     config = LoraConfig.from_pretrained(str(directory))
     config._register_custom_module({QuantLinear: _quant_lora_layer()})
     peft_model = PeftModel.from_pretrained(model, str(directory), config=config, autocast_adapter_dtype=False)
-    target = torch.bfloat16 if dtype == "bf16" else torch.float32
+    target = torch_dtype(dtype, next(model.parameters()).device)
     for name, param in peft_model.named_parameters():
         if "lora_" in name:
             param.data = param.data.to(target)
@@ -192,7 +197,7 @@ def attach_bottleneck(model, section, hidden_size: int, *, seed: int):
 
     layers = decoder_layers(model)
     dim = adapter_dim(section.rank, hidden_size)
-    dtype = torch.bfloat16 if section.dtype == "bf16" else torch.float32
+    dtype = torch_dtype(section.dtype, next(model.parameters()).device)
     cls = _bottleneck_cls()
     torch.manual_seed(seed)
     names = []

@@ -25,8 +25,6 @@ from torch import nn
 
 from orbitctl.errors import InputFileError, UserError
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
 
 def checkpoint_format(path: str | Path) -> str:
     """nf4, fp4, int4, fp8 or none, from the checkpoint's config.json."""
@@ -44,7 +42,11 @@ def checkpoint_format(path: str | Path) -> str:
 
 def load_frozen_base(quantized_dir: str | Path, *, device: str | torch.device = "cpu",
                      compute_dtype: torch.dtype = torch.bfloat16):
-    """The frozen base model of ``quantized_dir`` on ``device``, every parameter with requires_grad=False."""
+    """The frozen base model of ``quantized_dir`` on ``device``, every parameter with requires_grad=False.
+
+    ``compute_dtype`` is the dtype the model computes in, whatever the checkpoint's config.json
+    says: the unquantized weights are loaded in it and the NF4/FP4 layers dequantize to it.
+    """
     from transformers import AutoModelForCausalLM
 
     path = Path(quantized_dir)
@@ -53,6 +55,7 @@ def load_frozen_base(quantized_dir: str | Path, *, device: str | torch.device = 
         model = _load_with_quant_linear(path, torch.device(device), compute_dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype, device_map=str(device))
+        _cast_unquantized(model, compute_dtype)
     for p in model.parameters():
         p.requires_grad_(False)
     for module in model.modules():
@@ -62,8 +65,20 @@ def load_frozen_base(quantized_dir: str | Path, *, device: str | torch.device = 
         # infer path, the train path and verification on the same numbers.
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
+            # dequantize to the dtype asked for, not the one config.json was written with
+            module.compute_dtype, module.compute_type_is_set = compute_dtype, True
     model.eval()
     return model
+
+
+def _cast_unquantized(model: nn.Module, compute_dtype: torch.dtype) -> None:
+    """Half-precision weights that are not packed NF4/FP4 data into ``compute_dtype``: transformers
+    keeps a pre-quantized checkpoint's unquantized weights (embeddings, norms, lm_head) in their
+    stored bf16 whatever ``dtype=`` asks for. Weights kept in fp32 on purpose stay so."""
+    for param in model.parameters():
+        if type(param).__name__ != "Params4bit" and param.dtype in (torch.bfloat16, torch.float16) \
+                and param.dtype != compute_dtype:
+            param.data = param.data.to(compute_dtype)
 
 
 def load_frozen_base_for_profile(profile, *, device: str | torch.device = "cpu"):
@@ -76,7 +91,9 @@ def load_frozen_base_for_profile(profile, *, device: str | torch.device = "cpu")
     if found != fmt:
         raise UserError(f"{path}: holds a {found} checkpoint but quant.format is {fmt}",
                         fix="run orbitctl quantize PROFILE again, or set quant.format to match")
-    return load_frozen_base(path, device=device, compute_dtype=_DTYPES[profile.quant.compute_dtype])
+    from orbitctl.model.cpu_dtype import torch_dtype
+
+    return load_frozen_base(path, device=device, compute_dtype=torch_dtype(profile.quant.compute_dtype, device))
 
 
 def model_memory_bytes(model: nn.Module) -> dict[str, int]:

@@ -97,13 +97,20 @@ class Policy:
 
     def sample(self, prompt_ids, prompt_mask, *, max_new_tokens: int, temperature: float, top_p: float,
                generator, keep_dist: bool = False, keep_logits: bool = False,
-               keep_hidden: bool = False) -> Samples:
+               keep_hidden: bool = False, forced=None) -> Samples:
         """Sample one completion per row; temperature 0 is greedy.
 
         ``keep_logits`` / ``keep_hidden`` record, per generated token, the scaled logits and the
         hidden state of every layer at the position that predicted it (verify-alignment).
+        ``forced`` = ``(completion_ids, completion_mask)`` feeds those tokens instead of drawing
+        them (teacher forcing through the same KV-cache decode): the infer path's distributions
+        for tokens another sampler chose, which is how the kernel floor is measured.
         """
         import torch
+
+        if forced is not None:
+            forced_ids, forced_mask = (t.to(self.device) for t in forced)
+            max_new_tokens = forced_ids.shape[1]
 
         self.model.eval()
         batch = prompt_ids.shape[0]
@@ -117,20 +124,22 @@ class Policy:
             next_pos = mask.sum(-1, keepdim=True)
             finished = torch.zeros(batch, dtype=torch.bool, device=device)
             tokens, logps, keep, dists, raw, hidden = [], [], [], [], [], []
-            for _ in range(max_new_tokens):
+            for step in range(max_new_tokens):
                 scaled = logits.float() / (temperature if temperature > 0 else 1.0)
                 if keep_logits:
                     raw.append(scaled)
                 if keep_hidden:
                     hidden.append(torch.stack([h[:, -1, :].float() for h in out.hidden_states], dim=1))
                 logdist = torch.log_softmax(scaled, dim=-1)
-                if temperature > 0:
+                if forced is not None:
+                    token = forced_ids[:, step]
+                elif temperature > 0:
                     probs = torch.softmax(_top_p_filter(scaled, top_p), dim=-1)
                     # drawn on the CPU generator wherever the model runs: one seed, one sequence of draws
                     token = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
                 else:
                     token = scaled.argmax(-1)
-                alive = ~finished
+                alive = forced_mask[:, step].bool() if forced is not None else ~finished
                 token = torch.where(alive, token, torch.full_like(token, self.pad_id))
                 tokens.append(token)
                 logps.append(logdist.gather(-1, token[:, None]).squeeze(-1) * alive)
@@ -138,6 +147,8 @@ class Policy:
                 if keep_dist:
                     dists.append(logdist)
                 finished = finished | (token == self.eos_id)
+                if forced is not None:  # done where no forced token is left (an empty slice: all done)
+                    finished = ~forced_mask[:, step + 1:].bool().any(-1)
                 if bool(finished.all()):
                     break
                 mask = torch.cat([mask, alive.long()[:, None]], dim=-1)

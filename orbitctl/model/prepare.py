@@ -47,16 +47,43 @@ def _atomic_dir(final: Path, fill) -> dict:
 
 
 def _quant_settings(profile) -> dict:
-    return profile.quant.model_dump(mode="json")
+    # compute_dtype as resolved here (auto -> bf16 or fp32): it is written into the checkpoint's config
+    return {**profile.quant.model_dump(mode="json"), "compute_dtype": compute_dtype_name(profile)}
+
+
+def run_device_type(profile) -> str:
+    """'cuda' when the profile names a GPU and CUDA is there, else 'cpu' (as :func:`policy_device`)."""
+    if profile.hardware.gpu == "cpu":
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def compute_dtype_name(profile) -> str:
+    """quant.compute_dtype resolved for where this profile runs: bf16, fp16 or fp32."""
+    from orbitctl.model.cpu_dtype import resolved_dtype
+
+    return resolved_dtype(profile.quant.compute_dtype, run_device_type(profile))
+
+
+def dtype_summary(profile, device=None) -> str:
+    """One line: the compute and adapter dtypes a run on ``device`` uses, and why when they came from auto."""
+    from orbitctl.model.cpu_dtype import describe
+
+    device = device or run_device_type(profile)
+    compute, adapter = describe(profile.quant.compute_dtype, device), describe(profile.adapter.dtype, device)
+    return f"compute {compute}; adapter {adapter}" if adapter != compute else f"compute and adapter {compute}"
 
 
 def quantize_into(source: Path, out: Path, profile) -> None:
+    from orbitctl.model.cpu_dtype import DTYPE_NAMES
     from orbitctl.quant.convert import quantize_checkpoint
 
     q = profile.quant
     quantize_checkpoint(str(source), str(out), fmt=q.format, group_size=q.group_size, double_quant=q.double_quant,
                         storage_dtype=q.storage_dtype, modules=q.modules, skip=list(q.skip),
-                        compute_dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[q.compute_dtype])
+                        compute_dtype=DTYPE_NAMES[compute_dtype_name(profile)])
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (source / name).exists() and not (out / name).exists():
             shutil.copy2(source / name, out / name)
@@ -141,15 +168,18 @@ def policy_device(profile) -> str:
 def load_policy(profile, base: PreparedBase, device: str | None = None):
     """The frozen base from disk with fresh adapters attached, as a :class:`Policy`, on ``device``
     (default :func:`policy_device`): the base is loaded straight onto it, never whole on the host."""
-    import torch
+    from dataclasses import replace
+
     from transformers import AutoTokenizer
 
     from orbitctl.model.adapters import attach_bottleneck, attach_lora
     from orbitctl.model.base import load_frozen_base
+    from orbitctl.model.cpu_dtype import torch_dtype
     from orbitctl.model.policy import Policy
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[profile.quant.compute_dtype]
-    model = load_frozen_base(str(base.quantized_dir), device=device or policy_device(profile), compute_dtype=dtype)
+    device = device or policy_device(profile)
+    model = load_frozen_base(str(base.quantized_dir), device=device,
+                             compute_dtype=torch_dtype(profile.quant.compute_dtype, device))
     tok_dir = base.quantized_dir if (base.quantized_dir / "tokenizer.json").exists() or base.source_dir is None else base.source_dir
     tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
     tokenizer.padding_side = "left"
@@ -158,5 +188,6 @@ def load_policy(profile, base: PreparedBase, device: str | None = None):
     hidden = int(model.config.hidden_size)
     attach = attach_lora if profile.adapter.kind == "lora" else attach_bottleneck
     model, report = attach(model, profile.adapter, hidden, seed=profile.run.seed)
+    report = replace(report, dtypes=dtype_summary(profile, device))
     return Policy(model, tokenizer, report, hidden_size=hidden, adapter_kind=profile.adapter.kind,
                   gradient_checkpointing=profile.memory.gradient_checkpointing)

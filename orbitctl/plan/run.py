@@ -67,6 +67,9 @@ def run_plan(path: str | None, overrides: list[str] | tuple[str, ...] = (), *, s
         return PlanRun(archs=[builtin_arch(n).summary() for n in builtin_names()])
     if not path:
         raise UserError("missing PROFILE", fix="give a profile YAML file, e.g. orbitctl plan profiles/tiny-cpu.yaml")
+    if sweeps and measure:
+        raise UserError("--measure calibrates one plan, not a sweep",
+                        fix="drop --measure, or plan one setting with --set KEY=VALUE --measure")
     from orbitctl.profile import load_profile
 
     profile = load_profile(path, list(overrides))

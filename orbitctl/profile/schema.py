@@ -88,8 +88,8 @@ class QuantSection(Section):
     """Weights per scale: bnb block size for nf4/fp4 (64), INT4 group (32/64/128). FP8 always uses 128x128 blocks."""
     double_quant: bool = True
     """nf4/fp4: quantize the absmax scales again to 8 bits (4.127 instead of 4.5 bits per weight)."""
-    compute_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
-    """Dtype the quantized weights are dequantized to for the matmul."""
+    compute_dtype: Literal["bf16", "fp16", "fp32", "auto"] = "bf16"
+    """Dtype the quantized weights are dequantized to for the matmul; auto = bf16 on a GPU, on the CPU bf16 if it runs bf16 natively (AVX512-BF16/AMX), else fp32."""
     storage_dtype: Literal["uint8", "bf16"] = "bf16"
     """nf4/fp4: dtype of the packed storage tensor; bf16 lets ZeRO-3 shard it like any parameter."""
     modules: Literal["all-linear", "experts"] = "all-linear"
@@ -117,8 +117,8 @@ class AdapterSection(Section):
     """LoRA dropout; > 0 keeps an extra copy of every adapted layer's input for backward."""
     targets: Union[Literal["all-linear", "attention", "attention+mlp", "attention+shared"], list[str]] = "attention+shared"
     """Modules that get adapters: a preset or a list of module-name suffixes (q_proj, o_proj, ...)."""
-    dtype: Literal["bf16", "fp32"] = "bf16"
-    """Adapter weight dtype (BF16 keeps activations small; optimizer master copy is fp32 either way)."""
+    dtype: Literal["bf16", "fp32", "auto"] = "bf16"
+    """Adapter weight dtype (BF16 keeps activations small; optimizer master copy is fp32 either way); auto follows the same rule as quant.compute_dtype: auto."""
 
     @field_validator("rank")
     @classmethod

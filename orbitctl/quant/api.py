@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any, Mapping, get_args
 
 from orbitctl.errors import UserError
 from orbitctl.quant.manifest import verify_output
 
-__all__ = ["quantize_profile", "run_quantize", "verify_output", "parse_size"]
+__all__ = ["quantize_profile", "run_quantize", "src_out_options", "verify_output", "parse_size"]
 
 _UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
           "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}
+_TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def parse_size(text: str | int) -> int:
@@ -29,17 +31,88 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def run_quantize(src: str, out: str, *, max_shard_size: str | int = "2GB", **kwargs):
-    """quantize_checkpoint with a human-readable shard size."""
-    from orbitctl.quant.convert import quantize_checkpoint
+def run_quantize(src: str, out: str, *, max_shard_size: str | int | None = None, **kwargs):
+    """quantize_checkpoint with a human-readable shard size (None: the converter's default)."""
+    from orbitctl.quant.convert import DEFAULT_MAX_SHARD_BYTES, quantize_checkpoint
 
-    return quantize_checkpoint(src, out, max_shard_bytes=parse_size(max_shard_size), **kwargs)
+    size = DEFAULT_MAX_SHARD_BYTES if max_shard_size is None else parse_size(max_shard_size)
+    return quantize_checkpoint(src, out, max_shard_bytes=size, **kwargs)
 
 
-def quantize_profile(profile_path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, progress=None, eval_prompts: int = 0):
+def src_out_options(flags: Mapping[str, tuple[str, Any]], overrides: list[str] | tuple[str, ...] = ()) -> dict:
+    """The converter's settings for SRC OUT: explicit flags (field -> (flag, value)) and ``--set quant.KEY=VALUE``,
+    validated by the profile schema's quant section, which also fills in every default."""
+    from pydantic import ValidationError
+
+    from orbitctl.profile.loader import apply_overrides
+    from orbitctl.profile.schema import QuantSection
+    from orbitctl.profile.support import moot_quant_keys, refuse_overrides_outside, show_value
+
+    refuse_overrides_outside(overrides, ("quant",), "quantize SRC OUT (no profile)",
+                             fix="pass the value in a profile and run orbitctl quantize PROFILE, or drop it")
+    if "format" in flags:
+        label, fmt = flags["format"]
+        choices = get_args(QuantSection.model_fields["format"].annotation)
+        if fmt not in choices:
+            raise UserError(f"{label}: unknown format '{fmt}'", fix=f"use one of {', '.join(choices)}")
+    data: dict[str, Any] = {}
+    problems = apply_overrides(data, list(overrides))
+    if problems:
+        raise UserError("\n".join(problems))
+    from_set = data.get("quant", {})
+    if not isinstance(from_set, dict):
+        raise UserError(f"--set quant={show_value(from_set)}: quant is a section",
+                        fix="set its keys one by one, e.g. --set quant.group_size=32")
+    labels = {name: label for name, (label, _) in flags.items()}
+    values = {name: value for name, (_, value) in flags.items()}
+    for name, value in from_set.items():
+        if name in values and _same(values[name]) != _same(value):
+            raise UserError(f"{labels[name]} {show_value(values[name])} and --set quant.{name}={show_value(value)} disagree",
+                            fix="give the value once")
+        labels[name] = f"--set quant.{name}"
+        values[name] = value
+    if "format" not in values:
+        raise UserError("--format is required with SRC OUT", fix="add --format nf4 (or fp4, int4, fp8)")
+    if values.get("compute_dtype") == "auto":
+        raise UserError(f"{labels['compute_dtype']}=auto: SRC OUT has no profile whose hardware resolves auto",
+                        fix="give bf16, fp16 or fp32, or quantize through a profile")
+    try:
+        quant = QuantSection.model_validate(values)
+    except ValidationError as exc:
+        raise UserError("\n".join(_schema_problems(exc, labels, values))) from None
+    moot = moot_quant_keys(quant, labels)
+    if moot:
+        raise UserError("\n".join(item.render() for item in moot))
+    return {"fmt": quant.format, "group_size": quant.group_size, "double_quant": quant.double_quant,
+            "storage_dtype": quant.storage_dtype, "modules": quant.modules, "skip": tuple(quant.skip),
+            "compute_dtype": _TORCH_DTYPES[quant.compute_dtype]}
+
+
+def _same(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _schema_problems(exc, labels: Mapping[str, str], values: Mapping[str, Any]) -> list[str]:
+    from orbitctl.profile.support import show_value
+
+    lines = []
+    for err in exc.errors():
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ").replace("Input should be", "must be")
+        loc = [str(p) for p in err.get("loc", ())]
+        if not loc:
+            lines.append(msg)
+            continue
+        name = loc[0]
+        lines.append(f"{labels.get(name, f'quant.{name}')}: {msg} (got {show_value(values.get(name))})")
+    return list(dict.fromkeys(lines))
+
+
+def quantize_profile(profile_path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, progress=None,
+                     eval_prompts: int = 0, max_shard_size: str | int | None = None):
     """Quantize model.path into model.quantized_path with the profile's quant section."""
     from orbitctl.profile.loader import load_profile
-    from orbitctl.quant.convert import quantize_checkpoint
+    from orbitctl.profile.support import QUANTIZE, given_keys, refuse_unsupported
+    from orbitctl.quant.convert import DEFAULT_MAX_SHARD_BYTES, quantize_checkpoint
 
     profile = load_profile(profile_path, overrides)
     q = profile.quant
@@ -51,7 +124,19 @@ def quantize_profile(profile_path: str | Path, overrides: list[str] | tuple[str,
     if q.format == "none":
         raise UserError(f"{profile_path}: quant.format is none, so there is nothing to quantize",
                         fix="the base is loaded from model.path as is; set quant.format to nf4, fp4, int4 or fp8 to quantize")
-    compute = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[q.compute_dtype]
+    refuse_unsupported(profile, QUANTIZE, given_keys(overrides))
+    size = DEFAULT_MAX_SHARD_BYTES if max_shard_size is None else parse_size(max_shard_size)
     return quantize_checkpoint(profile.model.path, profile.model.quantized_path, fmt=q.format, group_size=q.group_size,
                                double_quant=q.double_quant, storage_dtype=q.storage_dtype, modules=q.modules,
-                               skip=tuple(q.skip), progress=progress, eval_prompts=eval_prompts, compute_dtype=compute)
+                               skip=tuple(q.skip), progress=progress, eval_prompts=eval_prompts,
+                               compute_dtype=_compute_dtype(profile), max_shard_bytes=size)
+
+
+def _compute_dtype(profile) -> str:
+    """quant.compute_dtype as a torch dtype name; auto is resolved for where the profile runs, as train does."""
+    name = profile.quant.compute_dtype
+    if name == "auto":
+        from orbitctl.model.prepare import compute_dtype_name
+
+        name = compute_dtype_name(profile)
+    return _TORCH_DTYPES[name]

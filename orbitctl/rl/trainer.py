@@ -109,15 +109,20 @@ def train(profile, *, fresh: bool = False, steps: int | None = None, on_event: E
     """Run (or resume) the profile's RL training; returns what it did. Raises RunFailed on a failed run."""
     import torch
 
+    from orbitctl.profile.support import TRAIN, refuse_unsupported
     from orbitctl.rl.engine import close_process_group, ensure_process_group
 
+    refuse_unsupported(profile, TRAIN)  # a value only plan models: exit 2 before anything is built
     if steps is not None:
         profile = profile.model_copy(update={"rl": profile.rl.model_copy(update={"steps": steps})})
     rank, world = ensure_process_group()
     emit = on_event if on_event is not None and rank == 0 else (lambda kind, payload: None)
+    threads = torch.get_num_threads()
     try:
         return _train(profile, fresh, emit, rank, world, torch)
     finally:
+        if torch.get_num_threads() != threads:  # a resume runs on the run's own thread count
+            torch.set_num_threads(threads)
         close_process_group()
 
 

@@ -18,6 +18,13 @@ def model_cache(tmp_path_factory):
     return cache
 
 
+def env_overrides() -> dict:
+    """``ORBITCTL_TEST_SET="quant.compute_dtype=bf16,adapter.dtype=bf16"``: run these tests on another
+    setting of the demo profile (e.g. bf16 compute on kernels capped to AVX2, where the floor is not 0)."""
+    pairs = [item.split("=", 1) for item in os.environ.get("ORBITCTL_TEST_SET", "").split(",") if item.strip()]
+    return {key.strip(): yaml.safe_load(value) for key, value in pairs}
+
+
 @pytest.fixture
 def align_profile(tmp_path):
     """``align_profile(**overrides)``: the demo profile with its run dir under tmp_path, written and loaded."""
@@ -25,7 +32,8 @@ def align_profile(tmp_path):
 
     def make(**overrides):
         data = yaml.safe_load(DEMO.read_text())
-        for key, value in {"run.dir": str(tmp_path / "run"), "alignment.num_prompts": 24, **overrides}.items():
+        defaults = {"run.dir": str(tmp_path / "run"), "alignment.num_prompts": 24, **env_overrides()}
+        for key, value in {**defaults, **overrides}.items():
             node = data
             parts = key.split(".")
             for part in parts[:-1]:

@@ -1,4 +1,14 @@
-"""verify-alignment end to end on the tiny quantized model: agreement passes, injected mismatches fail."""
+"""verify-alignment end to end on the tiny quantized model: agreement passes, injected mismatches fail.
+
+No test assumes the two paths agree bit for bit: that holds on some CPUs only. Agreement is held to
+a bound derived from the compute dtype (AGREEMENT_ULPS units in the last place of the largest
+logit, :func:`dtype_bound`), and
+detection to a ratio over the kernel floor measured in the same test on the same machine.
+DETECTION holds, per metric, a few times less than the smallest planted/floor ratio measured with
+bf16 compute on two ISAs (benchmarks/alignment_floor.py; fp4 serving, the weakest planted
+difference, on a Zen 4 EPYC with its kernels capped to AVX2: JS 466-529x, KL 471-534x, k3 29-52x,
+log-softmax L1 14-18x; the floor is exactly 0 with the same CPU's AVX512-BF16 kernels).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +17,23 @@ import json
 import pytest
 import torch
 
-from orbitctl.align.internal import Perturbation
+from orbitctl.align.floor import FLOOR_MARGIN, dtype_bound
+from orbitctl.align.internal import JUMP_FLOOR, Perturbation
 from orbitctl.align.verify import verify_alignment
+
+DETECTION = {"js": 50.0, "kl_train_infer": 50.0, "k3": 5.0, "logsoftmax_l1": 3.0}
+"""How many times above the floor measured beside it a planted difference must stand, per metric."""
+TINY = 1e-300
+AGREEMENT_ULPS = 4.0
+"""Measured: the same-model floor reaches 1.15 eps-units of the largest logit with fp32 compute
+(kernels capped to AVX2), at most 1 with bf16 (its per-layer rounding hides reduction order)."""
+
+
+def _engine_bound(report, metric: str) -> float:
+    """What an engine sampled on the trainer's own infer path may differ by: the floor measured beside
+    it (another batch shape than the engine's, so FLOOR_MARGIN of it) plus float32 rounding of its log-probs."""
+    floor = report.floor
+    return FLOOR_MARGIN * floor.summary[metric]["max"] + dtype_bound("float32", floor.logit_absmax, ulps=4)[metric]
 
 
 def _failed(report) -> set[str]:
@@ -20,11 +45,18 @@ def test_same_format_on_both_paths_passes_with_js_near_zero(align_profile):
     report = verify_alignment(profile, per_layer=True)
     assert report.verdict == "PASS", [g.to_dict() for g in report.gates]
     assert report.tokens >= 24  # every prompt gives at least one token
-    assert report.summary["js"]["max"] < 1e-9
-    assert report.summary["top1_agree"]["mean"] == 1.0
-    assert report.summary["k3"]["max"] < 1e-9
+    # one model on both paths: the comparison is the floor, and the floor is what the dtype explains
+    floor = report.floor
+    assert floor.is_the_comparison and floor.summary["js"]["max"] == report.summary["js"]["max"]
+    assert floor.compute_dtype in ("bfloat16", "float32") and floor.logit_absmax > 0
+    bound = dtype_bound(floor.compute_dtype, floor.logit_absmax, ulps=AGREEMENT_ULPS)
+    for metric in ("js", "sampled_dlogp_abs", "logsoftmax_l1"):
+        assert report.summary[metric]["max"] <= bound[metric], (metric, report.summary[metric]["max"], bound[metric])
     assert [e.name for e in report.layers] == ["embeddings", "layers.0", "layers.1"]
-    assert max(e.rel_error for e in report.layers) < 1e-6 and report.source["first_jump"] is None
+    assert report.layers[0].rel_error == 0.0  # an embedding lookup is exact on every machine
+    assert max(e.rel_error for e in report.layers) < JUMP_FLOOR and report.source["first_jump"] is None
+    doc = report.to_dict()
+    assert doc["floor"]["measured_as"] == floor.measured_as and doc["floor_times"]["js"] == 1.0
 
 
 @pytest.mark.parametrize("layer", [0, 1])
@@ -35,9 +67,16 @@ def test_perturbed_infer_weights_fail_the_gate_and_per_layer_names_the_layer(ali
     assert "logsoftmax_l1" in _failed(report)
     assert report.source["first_jump"]["name"] == f"layers.{layer}"
     assert report.source["first_jump"]["likely_cause"].startswith("weights")
-    # everything before the perturbed layer is untouched on the infer copy
-    assert all(e.rel_error < 1e-6 for e in report.layers[:layer + 1])
-    assert report.layers[layer + 1].rel_error > 0.01
+    # a separate copy: the floor was measured beside it with the trainer's own weights
+    floor = report.floor
+    assert not floor.is_the_comparison and len(floor.layers) == len(report.layers)
+    # before the perturbed layer the copy's weights are the trainer's: its error is the floor's
+    for e, f in zip(report.layers[:layer + 1], floor.layers[:layer + 1]):
+        assert e.rel_error <= f * (1 + 1e-6) + TINY, (e.name, e.rel_error, f)
+    planted = report.layers[layer + 1]
+    assert planted.rel_error > JUMP_FLOOR and planted.rel_error >= FLOOR_MARGIN * floor.layers[layer + 1]
+    for metric, times in DETECTION.items():
+        assert report.summary[metric]["mean"] >= times * max(floor.summary[metric]["mean"], TINY), metric
 
 
 def test_serving_fp4_against_an_nf4_trainer_is_detected(align_profile):
@@ -45,11 +84,13 @@ def test_serving_fp4_against_an_nf4_trainer_is_detected(align_profile):
     same = verify_alignment(profile)
     fp4 = verify_alignment(profile, infer_quant="fp4", per_layer=True)
     assert fp4.source["infer_path"].startswith("fp4")
-    # orders of magnitude above the same-format floor on every distance
-    for metric in ("js", "logsoftmax_l1", "k3", "sampled_dp_abs"):
-        assert fp4.summary[metric]["mean"] > 1e4 * max(same.summary[metric]["mean"], 1e-15), metric
+    # well above the same-format floor on every distance: the floor measured beside the fp4 copy,
+    # and the same-model comparison (which is the floor) for the metrics the floor does not report
+    for metric, times in DETECTION.items():
+        assert fp4.summary[metric]["mean"] >= times * max(fp4.floor.summary[metric]["mean"], TINY), metric
+        assert fp4.summary[metric]["mean"] >= times * max(same.summary[metric]["mean"], TINY), metric
     # the error starts at the first quantized layer (the embeddings are not quantized)
-    assert fp4.layers[0].rel_error < 1e-6 and fp4.source["first_jump"]["name"] == "layers.0"
+    assert fp4.layers[0].rel_error == 0.0 and fp4.source["first_jump"]["name"] == "layers.0"
     assert fp4.source["first_jump"]["likely_cause"].startswith("quantization: fp4 on the infer path vs nf4")
     # a profile whose L1 gate sits between the two measured levels fails fp4 serving and passes nf4
     gate = 0.5 * fp4.summary["logsoftmax_l1"]["mean"]
@@ -104,8 +145,10 @@ def test_engine_rollouts_that_match_the_trainer_pass(align_profile, tmp_path, sh
     report = verify_alignment(profile, rollouts=str(rollouts))
     assert report.verdict == "PASS", [g.to_dict() for g in report.gates]
     assert report.source["source"] == "rollouts" and report.source["engine_top_k"] == 5
-    assert report.summary["sampled_dlogp_abs"]["max"] < 1e-5  # engine log-probs are float32-rounded in JSON
-    assert report.summary["js"]["max"] < 1e-9
+    # the engine is the trainer's own infer path: it differs from the train path by the floor only
+    assert not report.floor.is_the_comparison
+    for metric in ("sampled_dlogp_abs", "js"):
+        assert report.summary[metric]["max"] <= _engine_bound(report, metric), metric
     assert any("lower bounds" in note for note in report.notes)
 
 
@@ -119,7 +162,8 @@ def test_engine_rollouts_at_another_temperature_fail(align_profile, tmp_path):
     assert _failed(report) & {"js", "logsoftmax_l1", "top1_agree", "topk_overlap"}
     # told the engine's temperature, the trainer scales its logits the same way and the paths agree
     matched = verify_alignment(profile, rollouts=str(rollouts), engine_temperature=2.0)
-    assert matched.summary["sampled_dlogp_abs"]["max"] < 1e-5
+    assert matched.summary["sampled_dlogp_abs"]["max"] <= _engine_bound(matched, "sampled_dlogp_abs")
+    assert report.summary["k3"]["mean"] >= DETECTION["k3"] * max(matched.summary["k3"]["mean"], TINY)
 
 
 def test_trained_adapter_is_loaded_on_both_paths(align_profile, tmp_path):
@@ -131,4 +175,5 @@ def test_trained_adapter_is_loaded_on_both_paths(align_profile, tmp_path):
     result = train(profile)
     report = verify_alignment(profile)
     assert report.source["adapter"] == str(result.adapter_dir)
-    assert report.verdict == "PASS" and report.summary["js"]["max"] < 1e-9
+    bound = dtype_bound(report.floor.compute_dtype, report.floor.logit_absmax, ulps=AGREEMENT_ULPS)
+    assert report.verdict == "PASS" and report.summary["js"]["max"] <= bound["js"]

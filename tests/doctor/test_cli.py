@@ -23,10 +23,10 @@ def test_cli_passes_flags_to_one_library_call(monkeypatch):
     monkeypatch.setattr(doctor_lib, "diagnose", fake_diagnose)
     result = runner.invoke(app, ["doctor", "--log", "run.log", "--profile", "p.yaml", "--set", "memory.seq_len=2048",
                                  "--snapshot", "s.json", "--save-snapshot", "o.json", "--expect-gpus", "8", "--active",
-                                 "--no-machine", "--json"])
+                                 "--machine", "--json"])
     assert result.exit_code == 0, result.output
     assert seen == {"snapshot_path": "s.json", "save_snapshot_path": "o.json", "log": "run.log", "profile_path": "p.yaml",
-                    "overrides": ["memory.seq_len=2048"], "expect_gpus": 8, "active": True, "machine": False}
+                    "overrides": ["memory.seq_len=2048"], "expect_gpus": 8, "active": True, "machine": True}
     assert json.loads(result.stdout)["ok"] is True
 
 
@@ -102,3 +102,13 @@ def test_huge_log_keeps_its_end(tmp_path, monkeypatch):
     log.write_text("step ok\n" * 5000 + "RuntimeError: Error 802: system not yet initialized\n")
     text = doctor_lib.read_log(str(log))
     assert len(text) <= 4096 + 1 and text.startswith("step ok") and "system not yet initialized" in text
+
+
+def test_no_machine_with_a_machine_flag_is_refused(tmp_path, capsys):
+    log = tmp_path / "run.log"
+    log.write_text("RuntimeError: CUDA out of memory.\n")
+    for flag in (["--expect-gpus", "8"], ["--active"], ["--snapshot", str(tmp_path / "s.json")]):
+        assert main(["doctor", "--log", str(log), "--no-machine", *flag]) == 2, flag
+        assert flag[0] in capsys.readouterr().err, flag
+    assert main(["doctor", "--set", "memory.seq_len=8"]) == 2
+    assert "--profile" in capsys.readouterr().err

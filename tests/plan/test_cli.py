@@ -77,11 +77,19 @@ def test_cli_is_thin(monkeypatch):
 
     monkeypatch.setattr(orbitctl.plan, "run_plan", fake_run_plan)
     result = runner.invoke(app, ["plan", "x.yaml", "--set", "memory.seq_len=8", "--sweep", "memory.micro_batch_size=1,2",
-                                 "--measure", "--json"])
+                                 "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == {"fake": True}
+    result = runner.invoke(app, ["plan", "x.yaml", "--measure", "--json"])
+    assert result.exit_code == 0, result.output
     assert calls == [("x.yaml", ["memory.seq_len=8"],
-                      {"sweeps": ["memory.micro_batch_size=1,2"], "measure": True, "list_archs": False})]
+                      {"sweeps": ["memory.micro_batch_size=1,2"], "measure": False, "list_archs": False}),
+                     ("x.yaml", [], {"sweeps": [], "measure": True, "list_archs": False})]
+
+
+def test_a_sweep_with_measure_is_refused(capsys):
+    assert main(["plan", KIMI, "--sweep", "memory.micro_batch_size=1,2", "--measure"]) == 2
+    assert "--measure" in capsys.readouterr().err
 
 
 def test_help_shows_examples():

@@ -10,6 +10,17 @@ def _same_bytes(a, b) -> bool:
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
+def _compute_dtype(policy):
+    """The dtype the policy's base computes in (``quant.compute_dtype`` as resolved here)."""
+    return policy.model.get_input_embeddings().weight.dtype
+
+
+def _one_kernel(model) -> bool:
+    """Every bitsandbytes 4-bit layer of ``model`` has its repacking CPU kernel switched off (and there are some)."""
+    flags = [m.support_avx512bf16_for_cpu for m in model.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
+    return bool(flags) and not any(flags)
+
+
 def _policy(profile):
     from orbitctl.model.prepare import load_policy, prepare_frozen_base
     from orbitctl.rl.data import load_prompts
@@ -78,10 +89,8 @@ def test_adapters_disabled_equal_the_base_model(small_profile):
     completion_mask = torch.ones_like(completion)
     reference = policy.reference_logits(ids, mask, completion, completion_mask)
     adapted = policy.completion_logits(ids, mask, completion, completion_mask, train=False).detach()
-    plain = load_frozen_base(str(base.quantized_dir))
-    for module in plain.modules():  # the same bitsandbytes kernel the policy uses (see load_policy)
-        if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
+    plain = load_frozen_base(str(base.quantized_dir), compute_dtype=_compute_dtype(policy))
+    assert _one_kernel(plain)  # the loader pins the bitsandbytes kernel the policy uses
     with torch.no_grad():
         from orbitctl.model.policy import position_ids_for
 
@@ -89,8 +98,34 @@ def test_adapters_disabled_equal_the_base_model(small_profile):
         full_mask = torch.cat([mask, completion_mask], 1)
         logits = plain(input_ids=full, attention_mask=full_mask, position_ids=position_ids_for(full_mask)).logits
     expected = logits[:, ids.shape[1] - 1: ids.shape[1] + 1]
+    # equal by construction: a disabled LoRA layer calls only its base layer, so both sides run the
+    # same modules, kernels and dtype on the same full sequence (the slice is taken afterwards)
     assert torch.equal(reference, expected)
     assert not torch.allclose(adapted, expected, atol=1e-3)
+
+
+def test_every_load_path_pins_one_bitsandbytes_kernel(small_profile, tmp_path):
+    """The policy (train, verify-alignment), a plain frozen base (quantize report) and a LoRA reloaded
+    on one (load_lora, PEFT) all come out of load_frozen_base with bitsandbytes' repacking CPU kernel
+    off, and an infer-path forward leaves every 4-bit weight unpacked."""
+    from orbitctl.model.adapters import load_lora, save_adapter
+    from orbitctl.model.base import load_frozen_base
+
+    profile = small_profile()
+    policy, base, split = _policy(profile)
+    save_adapter(policy.model, tmp_path / "adapter", "lora", policy.hidden_size)
+    plain = load_frozen_base(str(base.quantized_dir), compute_dtype=_compute_dtype(policy))
+    reloaded = load_lora(load_frozen_base(str(base.quantized_dir), compute_dtype=_compute_dtype(policy)),
+                         tmp_path / "adapter", dtype=profile.adapter.dtype)
+    ids, mask = policy.encode_prompts([it.prompt for it in split.train[:2]])
+    for model in (policy.model, plain, reloaded):
+        assert _one_kernel(model)
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+        packed = [n for n, m in model.named_modules()
+                  if hasattr(m, "support_avx512bf16_for_cpu") and getattr(m.weight.quant_state, "packing_format_for_cpu", False)]
+        assert not packed, packed
 
 
 def test_lora_adapter_loads_with_peft_on_the_quantized_base(small_profile, tmp_path):
@@ -106,11 +141,9 @@ def test_lora_adapter_loads_with_peft_on_the_quantized_base(small_profile, tmp_p
             param.normal_(0.0, 0.05)
     save_adapter(policy.model, tmp_path / "adapter", "lora", policy.hidden_size)
     assert (tmp_path / "adapter" / "adapter_config.json").exists()
-    loaded = PeftModel.from_pretrained(load_frozen_base(str(base.quantized_dir)), str(tmp_path / "adapter"),
-                                       autocast_adapter_dtype=False)
-    for module in loaded.modules():
-        if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
+    loaded = PeftModel.from_pretrained(load_frozen_base(str(base.quantized_dir), compute_dtype=_compute_dtype(policy)),
+                                       str(tmp_path / "adapter"), autocast_adapter_dtype=False)
+    assert _one_kernel(loaded)  # PEFT wraps the loader's Linear4bit modules, pinned kernel and all
     ids, mask = policy.encode_prompts([it.prompt for it in split.train[:4]])
     policy.model.eval()
     loaded.eval()
@@ -120,8 +153,10 @@ def test_lora_adapter_loads_with_peft_on_the_quantized_base(small_profile, tmp_p
     ours_lora = {n: p for n, p in policy.model.named_parameters() if "lora_" in n}
     theirs_lora = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
     assert ours_lora.keys() == theirs_lora.keys()
-    assert all(torch.equal(ours_lora[n].float(), theirs_lora[n].float()) for n in ours_lora)
-    assert torch.allclose(ours.float(), theirs.float(), atol=2e-2)
+    assert all(ours_lora[n].dtype == theirs_lora[n].dtype and torch.equal(ours_lora[n], theirs_lora[n])
+               for n in ours_lora)
+    # equal by construction: the same modules with the same weights, dtype and kernel on the same input
+    assert torch.equal(ours, theirs)
 
 
 def test_bottleneck_adapter_trains_saves_and_reloads(small_profile, tmp_path):
@@ -137,7 +172,7 @@ def test_bottleneck_adapter_trains_saves_and_reloads(small_profile, tmp_path):
     save_adapter(policy.model, tmp_path / "bn", "bottleneck", policy.hidden_size)
     fresh, _, _ = _policy(profile)
     load_bottleneck(fresh.model, tmp_path / "bn")
-    for a, b in zip(bottleneck_modules(policy.model), bottleneck_modules(fresh.model)):
+    for a, b in zip(bottleneck_modules(policy.model), bottleneck_modules(fresh.model)):  # a file round trip
         assert torch.equal(a.up.weight, b.up.weight) and torch.equal(a.down.bias, b.down.bias)
 
 
@@ -172,15 +207,16 @@ def test_lora_on_our_int4_and_fp8_layers_reloads_exactly(small_profile, tmp_path
         for _, param in policy.named_trainable():
             param.normal_(0.0, 0.05)
     save_adapter(policy.model, tmp_path / "adapter", "lora", policy.hidden_size)
-    loaded = load_lora(load_frozen_base(str(base.quantized_dir)), tmp_path / "adapter")
+    loaded = load_lora(load_frozen_base(str(base.quantized_dir), compute_dtype=_compute_dtype(policy)),
+                       tmp_path / "adapter", dtype=profile.adapter.dtype)
     ours = {n: p for n, p in policy.model.named_parameters() if "lora_" in n}
     theirs = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
     assert ours.keys() == theirs.keys()
     # bit-equal: the adapter is never cast through the base's float8 on the way in
-    assert all(theirs[n].dtype == torch.bfloat16 and torch.equal(ours[n], theirs[n]) for n in ours)
+    assert all(theirs[n].dtype == ours[n].dtype and torch.equal(ours[n], theirs[n]) for n in ours)
     ids, mask = policy.encode_prompts([it.prompt for it in split.train[:4]])
     policy.model.eval()
     loaded.eval()
-    with torch.no_grad():
+    with torch.no_grad():  # equal by construction: the same QuantLinearLora modules, weights and input
         assert torch.equal(policy.model(input_ids=ids, attention_mask=mask).logits,
                            loaded(input_ids=ids, attention_mask=mask).logits)

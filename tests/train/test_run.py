@@ -51,6 +51,8 @@ def _steps(run_dir: Path) -> list[int]:
 
 @pytest.mark.slow
 def test_killed_run_resumes_to_the_same_weights(tmp_path, profile_yaml):
+    import torch
+
     (tmp_path / "slow_reward.py").write_text(SLOW_REWARD)
     settings = {"rl.steps": 14, "run.save_every": 4, "data.reward": "python:slow_reward:score"}
     straight = profile_yaml("straight", **settings)
@@ -76,8 +78,14 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, profile_yaml):
     assert result["resumed_from"] in (8, 12) and result["steps"] == 14
     a, b = _adapter(tmp_path / "straight"), _adapter(tmp_path / "killed")
     assert a.keys() == b.keys()
-    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-    assert worst <= 1e-6
+    # bit for bit: the checkpoint restores every state the steps read (weights, fp32 master, Adam,
+    # scheduler, RNGs, data cursor) and the resume runs on the run's thread count, which some CPU
+    # kernels round by (test_resume_safety.py starts the resumed half on another count)
+    differ = {k: int((a[k] != b[k]).sum()) for k in a if not torch.equal(a[k], b[k])}
+    threads = [json.loads((tmp_path / run / "checkpoints" / "step-14" / "trainer.json").read_text())["torch_threads"]
+               for run in ("straight", "killed")]
+    assert not differ, f"elements that differ per tensor: {differ}; resumed from {result['resumed_from']}, " \
+                       f"torch threads straight/resumed {threads}"
     assert _steps(tmp_path / "killed") == list(range(1, 15))
 
 
@@ -175,7 +183,7 @@ def test_two_ranks_shard_prompts_and_report_once(tmp_path, profile_yaml):
     assert result["steps"] == 4
     run_dir = tmp_path / "two"
     checkpoint = run_dir / "checkpoints" / "step-4"
-    assert (checkpoint / "rng-rank0.pt").exists() and (checkpoint / "rng-rank1.pt").exists()
+    assert (checkpoint / "rng-rank0.safetensors").exists() and (checkpoint / "rng-rank1.safetensors").exists()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # 8 prompts x 4 completions per step, counted over both ranks
     assert [r["samples"] for r in records] == [32, 64, 96, 128]

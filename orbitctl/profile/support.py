@@ -1,0 +1,231 @@
+"""What each command carries out of a profile, and one refusal for what it would only pretend to.
+
+`orbitctl plan` models every value of the schema. `train`, and the checks of `verify-alignment`
+that run the profile's model, build only part of it; a value they would silently ignore is
+refused here, before any data, model or process group is touched, naming the key, its value
+and what to set instead. The same goes for a quant value given on the command line that the
+chosen format has no use for.
+
+    from orbitctl.profile.support import refuse_unsupported, unsupported_for
+    unsupported_for("train", profile)        # [Unsupported(key, value, why, fix), ...]
+    refuse_unsupported(profile, "train")     # raises UserError listing them
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
+
+from orbitctl.errors import UserError
+
+TRAIN = "train"
+VERIFY_INTERNAL = "verify-alignment"
+VERIFY_ROLLOUTS = "verify-alignment --rollouts"
+QUANTIZE = "quantize"
+COMMANDS = (TRAIN, VERIFY_INTERNAL, VERIFY_ROLLOUTS, QUANTIZE)
+_MODEL_RUNNING = (TRAIN, VERIFY_INTERNAL, VERIFY_ROLLOUTS)
+
+
+class Unsupported(NamedTuple):
+    key: str
+    value: Any
+    why: str
+    fix: str
+
+    def render(self) -> str:
+        return f"{self.key}: {show_value(self.value)} {self.why}; {self.fix}"
+
+
+class _Rule(NamedTuple):
+    key: str
+    commands: tuple[str, ...]
+    ignored: Callable[[Any, Any], bool]
+    """(value, profile) -> True when the command would not carry the value out."""
+    why: str
+    fix: str
+
+
+_PLAN_MODELS_IT = "plan still models it"
+
+_RULES: tuple[_Rule, ...] = (
+    _Rule("rollout.engine", (TRAIN,), lambda v, p: v == "separate",
+          "is not built by train: rollouts are sampled from the trainer's own weights (the shared engine)",
+          f"set rollout.engine: shared for train; {_PLAN_MODELS_IT}"),
+    _Rule("rollout.engine", (VERIFY_INTERNAL,), lambda v, p: v == "separate",
+          "is not what the internal check compares: it runs orbitctl's own infer path, not a separate engine",
+          "compare the engine's own output with --rollouts FILE, or set rollout.engine: shared"),
+    _Rule("rollout.engine_tp", (TRAIN,), lambda v, p: v != 1,
+          "sizes a separate rollout engine, which train does not build",
+          f"set rollout.engine_tp: 1 for train; {_PLAN_MODELS_IT}"),
+    _Rule("rollout.engine_sleep", (TRAIN,), lambda v, p: v is not True,
+          "tells a separate rollout engine to keep its weights during updates; train has no separate engine",
+          f"set rollout.engine_sleep: true for train; {_PLAN_MODELS_IT}"),
+    _Rule("rollout.kv_dtype", (TRAIN,), lambda v, p: v != "bf16",
+          "is not built by train: its rollout keeps the KV cache in quant.compute_dtype",
+          f"set rollout.kv_dtype: bf16 for train; {_PLAN_MODELS_IT}"),
+    _Rule("rollout.kv_dtype", (VERIFY_INTERNAL,), lambda v, p: v != "bf16",
+          "is not built by the internal check: its infer path keeps the KV cache in quant.compute_dtype",
+          "set rollout.kv_dtype: bf16, or compare an engine that stores fp8 KV with --rollouts FILE"),
+    _Rule("memory.expert_parallel", (TRAIN,), lambda v, p: v != 1,
+          "is not built by train: experts are sharded by ZeRO only, never split over expert-parallel ranks",
+          f"set memory.expert_parallel: 1 for train; {_PLAN_MODELS_IT}"),
+    _Rule("memory.offload_params", (TRAIN,), lambda v, p: v != "none",
+          "is not built by train: its DeepSpeed config offloads the optimizer state only, never the parameters",
+          f"set memory.offload_params: none for train; {_PLAN_MODELS_IT}"),
+    _Rule("memory.offload_activations", (TRAIN,), lambda v, p: v != "none",
+          "is not built by train: the checkpointed layer boundaries stay on the device",
+          f"set memory.offload_activations: none for train; {_PLAN_MODELS_IT}"),
+    _Rule("memory.loss_chunk_size", (TRAIN,), lambda v, p: v != 0,
+          "is not built by train: it computes the lm_head and the loss of a whole micro-batch at once",
+          f"set memory.loss_chunk_size: 0 for train; {_PLAN_MODELS_IT}"),
+    _Rule("memory.prefetch_layers", (TRAIN,), lambda v, p: v != 1,
+          "is not built by train: it leaves ZeRO-3 prefetching at DeepSpeed's default",
+          f"set memory.prefetch_layers: 1 for train; {_PLAN_MODELS_IT}"),
+    _Rule("memory.flash_attention", (TRAIN,), lambda v, p: v is not True,
+          "is not built by train: the model runs its default attention kernel (PyTorch SDPA) either way",
+          f"set memory.flash_attention: true for train; {_PLAN_MODELS_IT}"),
+    _Rule("model.dtype", (TRAIN,),
+          lambda v, p: "dtype" in p.model.model_fields_set and p.quant.compute_dtype != "auto"
+          and v != p.quant.compute_dtype,
+          "is not what train loads: every weight that is not quantized is loaded in quant.compute_dtype",
+          "set model.dtype to quant.compute_dtype's value, or drop it; plan then models what train loads"),
+)
+
+# Quant settings a format fixes whatever is asked for (None: the format uses none of them).
+_FIXED_BY_FORMAT: dict[str, dict[str, Any]] = {
+    "fp8": {"group_size": 128, "double_quant": False, "storage_dtype": "bf16"},
+    "int4": {"double_quant": False, "storage_dtype": "bf16"},
+    "none": {"group_size": None, "double_quant": None, "storage_dtype": None, "modules": None, "skip": None},
+}
+_WHY_FIXED = {
+    "fp8": "fp8 always stores float8 weights with one fp32 scale per 128x128 block",
+    "int4": "int4 packs the weights into int32 with one bf16 scale per group and quantizes nothing twice",
+    "none": "format none quantizes nothing",
+}
+QUANT_FIELDS = ("format", "group_size", "double_quant", "compute_dtype", "storage_dtype", "modules", "skip")
+
+
+def show_value(value: Any) -> str:
+    """A value as it is written in YAML: true, 32, fp8, [lm_head, mtp]."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(show_value(v) for v in value) + "]"
+    return str(value)
+
+
+def given_keys(overrides: Iterable[str]) -> list[str]:
+    """The dotted keys of ``KEY.PATH=VALUE`` overrides, in order."""
+    return [item.split("=", 1)[0].strip() for item in overrides]
+
+
+def refuse_overrides_outside(overrides: Iterable[str], allowed: Iterable[str], where: str, fix: str) -> None:
+    """Refuse every ``--set`` whose key is not under one of the ``allowed`` dotted prefixes."""
+    allowed = tuple(allowed)
+    stray = [key for key in given_keys(overrides)
+             if not any(key == a or key.startswith(a + ".") for a in allowed)]
+    if stray:
+        keys = ", ".join(f"--set {k}" for k in stray)
+        raise UserError(f"{keys}: {where} reads only {', '.join(a + ('' if '.' in a else '.*') for a in allowed)}",
+                        fix=fix)
+
+
+def effective_quant(quant) -> dict[str, Any]:
+    """The quant settings a conversion in ``quant.format`` actually uses (what its manifest records)."""
+    values = {name: getattr(quant, name) for name in QUANT_FIELDS if name != "compute_dtype"}
+    values["skip"] = list(values["skip"])
+    for name, fixed in _FIXED_BY_FORMAT.get(quant.format, {}).items():
+        if fixed is not None:
+            values[name] = fixed
+    return values
+
+
+def moot_quant_keys(quant, given: Mapping[str, str]) -> list[Unsupported]:
+    """Quant values given on the command line (``given``: field -> how it was given) that
+    ``quant.format`` would ignore."""
+    fixed = _FIXED_BY_FORMAT.get(quant.format, {})
+    found = []
+    for name, label in given.items():
+        if name not in fixed:
+            continue
+        value = getattr(quant, name)
+        if fixed[name] is None or _normal(value) != _normal(fixed[name]):
+            found.append(Unsupported(label, value, f"is ignored with quant.format {quant.format} "
+                                                   f"({_WHY_FIXED[quant.format]})", f"drop {label}"))
+    return found
+
+
+def _normal(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def unsupported_for(command: str, profile, given: Iterable[str] = ()) -> list[Unsupported]:
+    """Every value of ``profile`` that ``command`` would silently not carry out.
+
+    ``given``: the dotted keys set on the command line (``--set``); a quant value among them that
+    the format fixes anyway is reported too.
+    """
+    if command not in COMMANDS:
+        raise ValueError(f"unknown command {command!r}; one of {', '.join(COMMANDS)}")
+    found = [Unsupported(rule.key, _lookup(profile, rule.key), rule.why, rule.fix)
+             for rule in _RULES if command in rule.commands and rule.ignored(_lookup(profile, rule.key), profile)]
+    given_quant = {}
+    for key in given:
+        if key == "quant":  # a whole section: the keys its mapping holds
+            given_quant.update({name: f"quant.{name}" for name in profile.quant.model_fields_set})
+        elif key.startswith("quant."):
+            name = key.split(".", 1)[1]
+            given_quant[name] = key
+    found += moot_quant_keys(profile.quant, given_quant)
+    if command in _MODEL_RUNNING:
+        found += _base_mismatch(profile)
+    return found
+
+
+def refuse_unsupported(profile, command: str, given: Iterable[str] = ()) -> None:
+    """Raise one UserError (exit 2) naming every value ``command`` would ignore; a no-op when none."""
+    found = unsupported_for(command, profile, given)
+    if not found:
+        return
+    if len(found) == 1:
+        only = found[0]
+        raise UserError(f"{only.key}: {show_value(only.value)} {only.why}", fix=only.fix[:1].upper() + only.fix[1:])
+    raise UserError("\n".join(item.render() for item in found))
+
+
+def _lookup(profile, key: str) -> Any:
+    node = profile
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _base_mismatch(profile) -> list[Unsupported]:
+    """Quant values that differ from how ``model.quantized_path`` was written (it is used as is)."""
+    path = profile.model.quantized_path
+    if not path:
+        return []
+    try:
+        manifest = json.loads((Path(path) / "quant_manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    options = manifest.get("options") if isinstance(manifest, dict) else None
+    if not isinstance(options, dict) or "fmt" not in options:
+        return []
+    want = effective_quant(profile.quant)
+    have = {"format": options.get("fmt"), **{k: options.get(k) for k in want if k != "format"}}
+    names = ["format"] if want["format"] != have["format"] or want["format"] == "none" else list(want)
+    found = []
+    for name in names:
+        if have[name] is None and name != "format" or _normal(have[name]) == want[name]:
+            continue
+        found.append(Unsupported(
+            f"quant.{name}", getattr(profile.quant, name),
+            f"is not what model.quantized_path holds ({path} was quantized with {name} {show_value(have[name])}, "
+            f"and it is used as is)",
+            f"set quant.{name}: {show_value(have[name])}, or quantize into a new model.quantized_path "
+            f"(orbitctl quantize PROFILE)"))
+    return found
