@@ -158,9 +158,8 @@ def render(report, plot: str | None) -> None:
         output.show(table)
     if floor:
         bound = floor.bound()
-        output.show(f"kernel floor ({floor.measured_as}; logits in {floor.compute_dtype}): "
-                    f"JS max {floor.summary['js']['max']:.3g}, one-ulp {floor.compute_dtype} bound "
-                    f"{bound['js']:.3g}")
+        output.show(f"kernel floor, measured as {floor.measured_as}, logits in {floor.compute_dtype}: "
+                    f"JS max {floor.summary['js']['max']:.3g} (one ulp of the largest logit allows {bound['js']:.3g})")
         times = report.floor_times() or {}
         if floor.is_the_comparison:
             output.show("this comparison is the floor: both paths run the same model")
