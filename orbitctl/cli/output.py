@@ -51,3 +51,15 @@ def error(message: str) -> None:
     for i, line in enumerate(message.splitlines() or [""]):
         prefix = "Error: " if i == 0 else "       "
         stderr.print(prefix + line, markup=False, highlight=False, soft_wrap=True)
+
+
+STATUS_STYLE = {"FAIL": "bold red", "WARN": "yellow", "UNKNOWN": "magenta", "INFO": "cyan", "PASS": "green",
+                "SKIP": "dim", "OK": "bold green", "FAILED": "bold red"}
+"""How a verdict word looks, the same in every command."""
+
+
+def status(word: str, text: str | None = None):
+    """A rich Text of ``text`` (default: the word itself) styled by the verdict ``word``."""
+    from rich.text import Text
+
+    return Text(word if text is None else text, style=STATUS_STYLE.get(word, ""))

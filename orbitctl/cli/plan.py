@@ -13,8 +13,8 @@ import typer
 
 from orbitctl.cli import output
 from orbitctl.cli.common import JsonOption, SetOption, overrides
+from orbitctl.units import GiB
 
-GiB = 1024**3
 
 
 def plan(

@@ -12,6 +12,7 @@ import math
 from typing import Any, Callable
 
 from orbitctl.plan.result import Advice, MemoryPlan
+from orbitctl.units import GiB
 
 MAX_MICRO_BATCH = 4096
 
@@ -106,7 +107,7 @@ def advise(profile, plan: MemoryPlan, arch, replan: Callable[[dict[str, Any]], M
 
 
 def _advice(change: dict[str, Any], text: str, other: MemoryPlan) -> Advice:
-    return Advice(change, f"{text}: peak {other.peak_bytes / 2**30:.1f} GiB ({'fits' if other.fits else 'still over'})",
+    return Advice(change, f"{text}: peak {other.peak_bytes / GiB:.1f} GiB ({'fits' if other.fits else 'still over'})",
                   other.peak_bytes, other.fits)
 
 

@@ -16,8 +16,8 @@ from orbitctl.plan.adapters import AdapterPlan, plan_adapters
 from orbitctl.plan.result import MemoryPlan
 from orbitctl.plan.states import model_states
 from orbitctl.plan.storage import BaseStorage, base_storage, quant_format
+from orbitctl.units import GiB
 
-GiB = 1024**3
 CUDA_CONTEXT = int(0.5 * GiB)
 """Context + kernels with lazy module loading (1.3 GB measured without it)."""
 NCCL_PER_COMMUNICATOR = 1 * GiB
@@ -42,13 +42,7 @@ def prepare(profile, arch: ArchSpec) -> Inputs:
 
 
 def gpu_capacity(profile, override: int | None = None) -> int:
-    from orbitctl.profile.gpus import resolve_gpu
-
-    if override is not None:
-        return int(override)
-    if profile.hardware.gpu_memory_gib:
-        return int(profile.hardware.gpu_memory_gib * GiB)
-    return resolve_gpu(profile.hardware.gpu).visible_bytes
+    return int(override) if override is not None else profile.hardware.memory_bytes()
 
 
 def _gather(profile, storage: BaseStorage) -> float:

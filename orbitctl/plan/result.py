@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+from orbitctl.units import GiB
 
-GiB = 1024**3
 PHASES = ("policy_update", "rollout", "adapter_sync")
 
 # Components in the order the table shows them, with a one-line meaning (docs/plan.md has formulas).

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orbitctl.errors import UserError
+from orbitctl.units import GiB
 
 
 @dataclass
@@ -29,7 +30,7 @@ class PlanRun:
     def failure(self) -> str:
         """One line saying why the exit status is 1."""
         if self.sweep is not None:
-            return f"no swept combination fits in {self.usable_bytes / 2**30:.1f} GiB per GPU"
+            return f"no swept combination fits in {self.usable_bytes / GiB:.1f} GiB per GPU"
         return f"{self.profile_name}: {self.plan.verdict()}"
 
     def to_dict(self) -> dict:

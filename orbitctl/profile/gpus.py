@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GiB = 1024**3
-MiB = 1024**2
+from orbitctl.units import GiB, MiB
 
 
 @dataclass(frozen=True)

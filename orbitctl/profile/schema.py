@@ -13,6 +13,7 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from orbitctl.profile.gpus import gpu_names, resolve_gpu
+from orbitctl.units import GiB
 
 
 class Section(BaseModel):
@@ -67,6 +68,12 @@ class HardwareSection(Section):
     """Host RAM per node, GiB (offloaded activations and optimizer state live here)."""
     gpu_memory_gib: float | None = Field(None, gt=0)
     """Override the catalog's per-GPU memory (GiB), e.g. with the free memory seen right now."""
+
+    def memory_bytes(self) -> int:
+        """Per-GPU memory the plan budgets from: ``gpu_memory_gib`` when set, else the catalog's visible bytes."""
+        if self.gpu_memory_gib:
+            return int(self.gpu_memory_gib * GiB)
+        return resolve_gpu(self.gpu).visible_bytes
 
     @field_validator("gpu")
     @classmethod
@@ -362,10 +369,7 @@ class Profile(Section):
 
     def derived(self) -> dict:
         """Values that follow from the profile, shown by `orbitctl profile show`."""
-        from orbitctl.profile.gpus import resolve_gpu
-
-        gpu = resolve_gpu(self.hardware.gpu)
-        mem = self.hardware.gpu_memory_gib * 1024**3 if self.hardware.gpu_memory_gib else gpu.visible_bytes
+        mem = self.hardware.memory_bytes()
         return {
             "world_size": self.world_size,
             "global_batch_size": self.global_batch_size,
