@@ -41,8 +41,8 @@ def main() -> None:
 
     import torch
 
-    from orbitctl.align.internal import Perturbation
-    from orbitctl.align.verify import verify_alignment
+    from orbitctl.align.selfcheck import Perturbation
+    from orbitctl.align.api import verify_alignment
     from orbitctl.profile import load_profile
 
     profile = load_profile(args.profile, [f"alignment.num_prompts={args.prompts}", *args.set])

@@ -24,8 +24,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=100)
     args = parser.parse_args()
 
-    from orbitctl.align.internal import INFER_FORMATS
-    from orbitctl.align.verify import verify_alignment
+    from orbitctl.align.selfcheck import INFER_FORMATS
+    from orbitctl.align.api import verify_alignment
     from orbitctl.profile import load_profile
 
     profile = load_profile(args.profile, [f"alignment.num_prompts={args.prompts}"])

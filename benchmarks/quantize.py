@@ -42,7 +42,7 @@ def write_checkpoint(path: Path, layers: int, shard_bytes: int = 1_000_000_000) 
     """A random bf16 llama checkpoint written tensor by tensor (sharded, with index)."""
     import torch
 
-    from orbitctl.quant.safetensors_io import ShardWriter, header_reserve
+    from orbitctl.codec.safetensors_io import ShardWriter, header_reserve
 
     path.mkdir(parents=True, exist_ok=True)
     kv = HIDDEN // (HEADS // KV_HEADS)

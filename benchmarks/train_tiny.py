@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 def run_orbitctl(steps: int, warmup: int, run_dir: Path) -> dict:
     from orbitctl.profile import load_profile
-    from orbitctl.rl.trainer import train
+    from orbitctl.rl.api import train
 
     profile = load_profile(ROOT / "profiles" / "tiny-cpu.yaml",
                            [f"run.dir={run_dir}", "run.eval_every=100000", "run.save_every=100000"])
@@ -47,14 +47,14 @@ def run_trl(steps: int, warmup: int, out_dir: Path) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from orbitctl.model.base import load_frozen_base
-    from orbitctl.model.prepare import prepare_frozen_base
+    from orbitctl.model.frozen_base import load_frozen_base
+    from orbitctl.builder import prepare_frozen_base
     from orbitctl.profile import load_profile
-    from orbitctl.rl.data import load_prompts
+    from orbitctl.data.prompts import load_prompts
 
     profile = load_profile(ROOT / "profiles" / "tiny-cpu.yaml")
     split = load_prompts(profile.data, 0)
-    base = prepare_frozen_base(profile, split.task)
+    base = prepare_frozen_base(profile, split.warm_task)
     model = load_frozen_base(str(base.quantized_dir))
     tokenizer = AutoTokenizer.from_pretrained(str(base.quantized_dir))
     tokenizer.padding_side = "left"

@@ -1,11 +1,11 @@
-"""Distances between two next-token distributions, and the per-token train/infer mismatch metrics.
+"""The per-token train/infer mismatch metrics of verify-alignment.
 
-Pure torch, no model code: the quantization report compares original vs quantized logits
-with the log-probability distances (``js_divergence`` ... ``entropy``, inputs [..., V]);
-verify-alignment compares the training path with the inference path per token with
+Pure torch, no model code: the training path is compared with the inference path per token with
 :func:`token_metrics` (full logits on both sides) or :func:`topk_tail_metrics` (an engine that
 returns only its top-k log-probs). Every function reduces over the vocabulary only and returns
 one value per position; :class:`orbitctl.align.tokens.TokenTable` streams and summarises them.
+The plain distances between two log-distributions (JS, log-softmax L1, top-k, entropy) are
+:mod:`orbitctl.distances`, shared with the quantization report and the trainer.
 """
 
 from __future__ import annotations
@@ -14,49 +14,8 @@ import math
 
 import torch
 
+from orbitctl.distances import entropy
 from orbitctl.errors import UserError
-
-
-def _as_float(logp: torch.Tensor) -> torch.Tensor:
-    return logp.float() if logp.dtype != torch.float64 else logp
-
-
-def js_divergence(logp_a: torch.Tensor, logp_b: torch.Tensor) -> torch.Tensor:
-    """Jensen-Shannon divergence in nats per position, in [0, ln 2]."""
-    a, b = _as_float(logp_a), _as_float(logp_b)
-    # log of the mixture m = (p + q) / 2, computed in log space so tiny probabilities stay exact
-    log_m = torch.logaddexp(a, b) - math.log(2.0)
-    kl_am = (a.exp() * (a - log_m)).sum(-1)
-    kl_bm = (b.exp() * (b - log_m)).sum(-1)
-    return (0.5 * (kl_am + kl_bm)).clamp_min(0.0)
-
-
-def kl_divergence(logp_a: torch.Tensor, logp_b: torch.Tensor) -> torch.Tensor:
-    """KL(a || b) in nats per position."""
-    a, b = _as_float(logp_a), _as_float(logp_b)
-    return (a.exp() * (a - b)).sum(-1).clamp_min(0.0)
-
-
-def logsoftmax_l1(logp_a: torch.Tensor, logp_b: torch.Tensor) -> torch.Tensor:
-    """Mean absolute difference of the log-softmax vectors per position (nats per vocabulary entry)."""
-    a, b = _as_float(logp_a), _as_float(logp_b)
-    return (a - b).abs().mean(-1)
-
-
-def topk_agreement(logp_a: torch.Tensor, logp_b: torch.Tensor, k: int = 1) -> torch.Tensor:
-    """1.0 where both distributions have the same set of top-k tokens, else 0.0 (k=1: same argmax)."""
-    if k < 1:
-        raise ValueError(f"k must be >= 1 (got {k})")
-    k = min(k, logp_a.shape[-1])
-    top_a = logp_a.topk(k, dim=-1).indices.sort(dim=-1).values
-    top_b = logp_b.topk(k, dim=-1).indices.sort(dim=-1).values
-    return (top_a == top_b).all(dim=-1).float()
-
-
-def entropy(logp: torch.Tensor) -> torch.Tensor:
-    """Shannon entropy in nats per position."""
-    p = _as_float(logp)
-    return -(p.exp() * p).sum(-1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,8 +88,8 @@ def _token_metrics_rows(train: torch.Tensor, infer: torch.Tensor, sampled: torch
     a.sub_(torch.logsumexp(a, -1, keepdim=True))
     b.sub_(torch.logsumexp(b, -1, keepdim=True))
     out.update(_distances(a, b))
-    out["entropy_train"] = _entropy(a)
-    out["entropy_infer"] = _entropy(b)
+    out["entropy_train"] = entropy(a)
+    out["entropy_infer"] = entropy(b)
     if sampled is not None:
         y = sampled.to(a.device, torch.long)[:, None]
         out.update(_sampled(a.gather(1, y)[:, 0], b.gather(1, y)[:, 0]))
@@ -165,10 +124,6 @@ def _masked_mean_abs(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     both = torch.isneginf(x) & torch.isneginf(y)
     total = torch.where(both, 0.0, (x - y).abs()).sum(-1)
     return total / (x.shape[-1] - both.sum(-1)).to(torch.float64)
-
-
-def _entropy(lp: torch.Tensor) -> torch.Tensor:
-    return 0.0 - torch.where(torch.isneginf(lp), 0.0, lp.exp() * lp).sum(-1)  # 0.0 - x: never prints -0
 
 
 def _top1_agree(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -367,8 +322,8 @@ def _topk_tail_rows(train, infer_ids, infer_logp, sampled, sampled_lp, k, first_
     bucket_b = torch.cat([lpb, tail_b[:, None]], 1)
 
     out = _distances(bucket_a, bucket_b)
-    out["entropy_train"] = _entropy(la)
-    out["entropy_infer"] = _entropy(bucket_b)
+    out["entropy_train"] = entropy(la)
+    out["entropy_infer"] = entropy(bucket_b)
     # the engine's ranking of the tokens it reported (stable: its own order breaks ties)
     engine_top = safe.gather(1, torch.sort(lpb, dim=-1, descending=True, stable=True).indices)
     pick = la.argmax(-1, keepdim=True)

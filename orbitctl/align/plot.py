@@ -7,8 +7,8 @@ and, with ``--per-layer``, the relative hidden-state error of every layer.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+from orbitctl.rundir import atomic_file
 
 
 def write_plot(report, path: str | Path, js_gate: float) -> Path:
@@ -54,9 +54,7 @@ def write_plot(report, path: str | Path, js_gate: float) -> Path:
         ax.set_ylim(bottom=min(errors) / 2 if min(errors) > 0 else 1e-12, top=max(1.0, max(errors) * 2))
     fig.suptitle(f"verify-alignment: {report.verdict}")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png", dpi=110)
+    with atomic_file(path, fsync=False) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
     return path

@@ -15,9 +15,6 @@ import typer
 from orbitctl.cli import output
 from orbitctl.cli.common import JsonOption, SetOption, overrides
 
-STYLE = {"FAIL": "bold red", "WARN": "yellow", "UNKNOWN": "magenta", "INFO": "cyan", "PASS": "green", "SKIP": "dim"}
-AREAS = ("log", "GPU", "topology", "NCCL", "memory", "host")
-
 
 def doctor(
     log: Optional[str] = typer.Option(None, "--log", "-l", metavar="FILE", help="A failed run's log to triage ('-' reads stdin)."),
@@ -47,10 +44,10 @@ def doctor(
 
         orbitctl doctor --snapshot node7.json --expect-gpus 8
     """
-    from orbitctl.doctor import diagnose
+    from orbitctl.doctor import api
 
-    report = diagnose(snapshot_path=snapshot, save_snapshot_path=save_snapshot, log=log, profile_path=profile,
-                      overrides=overrides(set_), expect_gpus=expect_gpus, active=active, machine=machine)
+    report = api.diagnose(snapshot_path=snapshot, save_snapshot_path=save_snapshot, log=log, profile_path=profile,
+                          overrides=overrides(set_), expect_gpus=expect_gpus, active=active, machine=machine)
     if json_out:
         output.emit_json(report.to_dict())
     else:
@@ -60,7 +57,7 @@ def doctor(
     if report.failed:
         from orbitctl.errors import CheckFailed
 
-        failed = [f.id for f in report.findings if f.status == "FAIL"]
+        failed = report.failed_ids()
         raise CheckFailed(f"doctor found {len(failed)} failure(s): {', '.join(failed)}")
 
 
@@ -73,11 +70,8 @@ def render(report) -> None:
     if report.root_cause is not None:
         rc = report.root_cause
         where = f" on rank {rc.rank}" if rc.rank is not None else ""
-        output.show(Text(f"Root cause: {rc.id}{where}: {rc.title}", style=STYLE.get(rc.status, "")))
-    for area in AREAS:
-        rows = [f for f in report.findings if f.area == area]
-        if not rows:
-            continue
+        output.show(output.status(rc.status, f"Root cause: {rc.id}{where}: {rc.title}"))
+    for area, rows in report.by_area():
         table = Table(title=area, title_justify="left", show_lines=True, expand=False)
         table.add_column("status", no_wrap=True)
         table.add_column("check", no_wrap=True)
@@ -85,13 +79,11 @@ def render(report) -> None:
         table.add_column("fix", overflow="fold")
         for f in rows:
             evidence = Text(f.title + "\n", style="bold")
-            # passing and skipped rows need one line; problems show all their evidence
-            evidence.append("\n".join(f.evidence if f.status not in ("PASS", "SKIP") else f.evidence[:1]))
-            table.add_row(Text(f.status, style=STYLE.get(f.status, "")), f.id, evidence, Text(f.fix or ""))
+            evidence.append("\n".join(f.shown_evidence))
+            table.add_row(output.status(f.status), f.id, evidence, Text(f.fix or ""))
         output.show(table)
-    counts = report.counts()
-    summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
-    output.show(Text(f"{'FAILED' if report.failed else 'OK'}: {summary}", style="bold red" if report.failed else "bold green"))
+    summary = ", ".join(f"{n} {s}" for s, n in report.counts().items() if n)
+    output.show(output.status(report.verdict, f"{report.verdict}: {summary}"))
 
 
 def register(app: typer.Typer) -> None:

@@ -54,7 +54,7 @@ def error(message: str) -> None:
 
 
 STATUS_STYLE = {"FAIL": "bold red", "WARN": "yellow", "UNKNOWN": "magenta", "INFO": "cyan", "PASS": "green",
-                "SKIP": "dim", "OK": "bold green", "FAILED": "bold red"}
+                "SKIP": "dim", "n/a": "dim", "OK": "bold green", "FAILED": "bold red"}
 """How a verdict word looks, the same in every command."""
 
 
@@ -63,3 +63,91 @@ def status(word: str, text: str | None = None):
     from rich.text import Text
 
     return Text(word if text is None else text, style=STATUS_STYLE.get(word, ""))
+
+
+class _Bar:
+    """A rich progress bar on stderr, started at its first update (so errors raised before any work
+    stay one line) and stopped when the block ends."""
+
+    def __init__(self, description: str, columns: tuple) -> None:
+        self.description, self.columns = description, columns
+        self.bar = None
+        self.task = None
+
+    def update(self, done: int, total: int, description: str | None = None) -> None:
+        if self.bar is None:
+            from rich.progress import Progress
+
+            self.bar = Progress("[progress.description]{task.description}", *self.columns, console=stderr,
+                                transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task(description or self.description, total=total)
+        self.bar.update(self.task, completed=done, total=total, description=description or self.description)
+
+    def stage(self, stage: str, done: int, total: int) -> None:
+        """``update`` for work that reports its stage name with every step."""
+        self.update(done, total, stage)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+class progress:
+    """``with output.progress("quantizing", unit="bytes") as update: work(progress=update)``: a bar on stderr
+    fed ``update(done, total)`` (``stages=True``: ``update(stage, done, total)``); ``update`` is None when
+    not ``enabled`` (``--json``), so the work runs without one."""
+
+    def __init__(self, description: str = "", *, unit: str = "items", stages: bool = False, enabled: bool = True):
+        from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn, TransferSpeedColumn)
+
+        columns = ((BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn()) if unit == "bytes"
+                   else (BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()))
+        self.bar = _Bar(description, columns) if enabled else None
+        self.stages = stages
+
+    def __enter__(self):
+        if self.bar is None:
+            return None
+        return self.bar.stage if self.stages else self.bar.update
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def table(title: str, columns: list[str] | tuple[str, ...], rows=(), *, left: tuple[str, ...] | None = None,
+          caption: str | None = None, no_wrap: bool = False):
+    """A rich table titled on the left: the ``left`` columns (default: the first) left-aligned, the others
+    right-aligned; ``rows`` of cells (more can be added with ``add_row``)."""
+    from rich.table import Table
+
+    left = (columns[0],) if left is None else left
+    out = Table(title=title, title_justify="left", caption=caption)
+    for col in columns:
+        out.add_column(col, justify="left" if col in left else "right", no_wrap=no_wrap)
+    for row in rows:
+        out.add_row(*row)
+    return out
+
+
+class LiveLine:
+    """One status line on stderr, redrawn in place (``update(text)``), started at the first update and
+    removed by ``close``; messages printed meanwhile scroll above it."""
+
+    def __init__(self) -> None:
+        from rich.live import Live
+
+        self.live = Live(console=stderr, refresh_per_second=4, transient=True)
+        self.started = False
+
+    def update(self, text: str) -> None:
+        if not self.started:
+            self.live.start()
+            self.started = True
+        self.live.update(text)
+
+    def close(self) -> None:
+        if self.started:
+            self.live.stop()

@@ -13,7 +13,7 @@ import typer
 
 from orbitctl.cli import output
 from orbitctl.cli.common import JsonOption, SetOption, overrides
-from orbitctl.units import GiB
+from orbitctl.units import MiB, gib
 
 
 
@@ -41,17 +41,9 @@ def plan(
 
         orbitctl plan profiles/tiny-cpu.yaml --measure
     """
-    from orbitctl.plan import run_plan
+    from orbitctl.plan import api
 
-    if list_archs:
-        extra = [name for name, given in (("PROFILE", profile), ("--set", set_), ("--sweep", sweep), ("--measure", measure))
-                 if given]
-        if extra:
-            from orbitctl.errors import UserError
-
-            raise UserError(f"--list-archs lists the built-in architectures and takes no {', '.join(extra)}",
-                            fix="run orbitctl plan --list-archs on its own (--json is fine)")
-    result = run_plan(profile, overrides(set_), sweeps=list(sweep or []), measure=measure, list_archs=list_archs)
+    result = api.run_plan(profile, overrides(set_), sweeps=list(sweep or []), measure=measure, list_archs=list_archs)
     if json_out:
         output.emit_json(result.to_dict())
     elif result.archs is not None:
@@ -64,10 +56,6 @@ def plan(
         from orbitctl.errors import CheckFailed
 
         raise CheckFailed(result.failure(), fix="Apply one of the advice lines (--set KEY=VALUE) and plan again")
-
-
-def _gib(n: float) -> str:
-    return f"{n / GiB:.2f}"
 
 
 def _line(markup: str) -> None:
@@ -90,39 +78,35 @@ def _render(result) -> None:
         cells = [plan.phases[p].get(component) for p in PHASES]
         if all(not c for c in cells):
             continue
-        table.add_row(component, *("" if c is None else _gib(c) for c in cells))
+        table.add_row(component, *("" if c is None else gib(c) for c in cells))
     table.add_section()
-    table.add_row("total", *(_gib(plan.phase_peak_bytes[p]) for p in PHASES))
+    table.add_row("total", *(gib(plan.phase_peak_bytes[p]) for p in PHASES))
     output.show(table)
     color = "green" if plan.fits and not plan.tight else ("yellow" if plan.fits else "red")
     _line(f"[{color}]{plan.verdict()}[/{color}]")
     _line(f"params: {plan.params_total / 1e9:.1f} B total, {plan.params_active / 1e9:.1f} B active, "
           f"{plan.params_trainable / 1e6:.1f} M trainable; largest micro-batch that fits: {plan.max_micro_batch}; "
-          f"host RAM {_gib(plan.host_bytes)} of {_gib(plan.host_capacity_bytes)} GiB per node")
+          f"host RAM {gib(plan.host_bytes)} of {gib(plan.host_capacity_bytes)} GiB per node")
     for note in plan.notes:
         _line(f"note: {note}")
     if plan.advice:
         _line("advice:")
         for i, advice in enumerate(plan.advice, 1):
-            flags = " ".join(f"--set {k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in advice.change.items())
+            flags = " ".join(f"--set {value}" for value in advice.set_values())
             _line(f"  {i}. {advice.text}   [dim]{flags}[/dim]")
     if result.measurement is not None:
         output.show(_measure_table(result.measurement))
 
 
 def _measure_table(m):
-    from rich.table import Table
-
-    table = Table(title=f"--measure: {m.layers}-layer copy at real width, {m.tokens} tokens per micro-batch (MiB)",
-                  title_justify="left")
-    for col in ("component", "predicted", "measured", "measured/predicted"):
-        table.add_column(col, justify="left" if col == "component" else "right")
+    table = output.table(f"--measure: {m.layers}-layer copy at real width, {m.tokens} tokens per micro-batch (MiB)",
+                         ("component", "predicted", "measured", "measured/predicted"))
     for row in m.rows:
         pred, meas = row["predicted_bytes"], row["measured_bytes"]
-        table.add_row(row["component"], f"{pred / 2**20:.1f}", f"{meas / 2**20:.1f}",
+        table.add_row(row["component"], f"{pred / MiB:.1f}", f"{meas / MiB:.1f}",
                       f"{meas / pred:.2f}" if pred else "-")
-    table.caption = (f"calibrated full-model activations {_gib(m.calibrated_bytes['activations'])} GiB, "
-                     f"logits {_gib(m.calibrated_bytes['logits_loss'])} GiB (ratio {m.activation_ratio:.2f})"
+    table.caption = (f"calibrated full-model activations {gib(m.calibrated_bytes['activations'])} GiB, "
+                     f"logits {gib(m.calibrated_bytes['logits_loss'])} GiB (ratio {m.activation_ratio:.2f})"
                      + "".join(f"\nnote: {n}" for n in m.notes))
     return table
 
@@ -131,23 +115,20 @@ def _sweep_table(rows, usable):
     from rich.table import Table
 
     keys = list(rows[0]["values"]) if rows else []
-    table = Table(title=f"sweep (GiB per GPU, limit {_gib(usable)})", title_justify="left")
+    table = Table(title=f"sweep (GiB per GPU, limit {gib(usable)})", title_justify="left")
     for k in keys:
         table.add_column(k.rsplit(".", 1)[-1], overflow="fold")  # the section is in the --sweep flag
     for col in ("peak", "phase", "util", "fits", "max mb"):
         table.add_column(col, justify="right", overflow="fold")
     for row in rows:
-        table.add_row(*(str(row["values"][k]) for k in keys), _gib(row["peak_bytes"]), row["peak_phase"],
+        table.add_row(*(str(row["values"][k]) for k in keys), gib(row["peak_bytes"]), row["peak_phase"],
                       f"{row['utilization']:.0%}", "yes" if row["fits"] else "[red]no[/red]", str(row["max_micro_batch"]))
     return table
 
 
 def _arch_table(archs):
-    from rich.table import Table
-
-    table = Table(title="built-in architectures", title_justify="left")
-    for col in ("arch", "model_type", "layers", "attention", "total (B)", "active (B)"):
-        table.add_column(col, justify="right" if "(" in col or col == "layers" else "left")
+    table = output.table("built-in architectures", ("arch", "model_type", "layers", "attention", "total (B)", "active (B)"),
+                         left=("arch", "model_type", "attention"))
     for a in archs:
         table.add_row(a["name"], a["model_type"], str(a["layers"]), a["attention"],
                       f"{a['params_total'] / 1e9:.2f}", f"{a['params_active'] / 1e9:.2f}")

@@ -13,7 +13,6 @@ import typer
 
 from orbitctl.cli import output
 from orbitctl.cli.common import JsonOption, SetOption, overrides
-from orbitctl.errors import ProfileError
 
 app = typer.Typer(help="Validate profiles and show them resolved (defaults and derived values).", no_args_is_help=True)
 
@@ -32,31 +31,18 @@ def validate(
 
         orbitctl profile validate my.yaml --set memory.seq_len=8192
     """
-    from orbitctl.profile import load_profile
+    from orbitctl.profile import api
 
-    problems: list[str] = []
-    results = []
-    for path in paths:
-        try:
-            load_profile(path, overrides(set_))
-            results.append({"path": path, "ok": True, "problems": []})
-        except ProfileError as exc:
-            problems.append(exc.render())
-            results.append({"path": path, "ok": False, "problems": exc.problems})
+    rows = api.validate_profiles(paths, overrides(set_))
     if json_out:
-        output.emit_json(results)
+        output.emit_json([{k: r[k] for k in ("path", "ok", "problems")} for r in rows])
     else:
-        for r in results:
+        for r in rows:
             if r["ok"]:
                 output.info(f"[green]ok[/green]  {r['path']}")
-    if problems:
-        raise _many(problems)
-
-
-def _many(rendered: list[str]) -> ProfileError:
-    err = ProfileError("", [])
-    err.message = "\n".join(rendered)
-    return err
+    failed = api.failures(rows)
+    if failed is not None:
+        raise failed
 
 
 @app.command("show")
@@ -73,11 +59,9 @@ def show(
 
         orbitctl profile show profiles/tiny-cpu.yaml --json
     """
-    from orbitctl.profile import load_profile
+    from orbitctl.profile import api
 
-    profile = load_profile(path, overrides(set_))
-    document = profile.model_dump(mode="json")
-    document["derived"] = profile.derived()
+    document = api.resolved_profile(path, overrides(set_))
     if json_out:
         output.emit_json(document)
     else:

@@ -13,7 +13,6 @@ import typer
 
 from orbitctl.cli import output
 from orbitctl.cli.common import JsonOption, SetOption, overrides
-from orbitctl.errors import UserError
 
 
 def quantize(
@@ -46,40 +45,18 @@ def quantize(
 
         orbitctl quantize --verify out/llama-8b-nf4
     """
-    from orbitctl.quant.api import quantize_profile, run_quantize, src_out_options, verify_output
+    from orbitctl.quant import api
 
-    sets = overrides(set_)
     flags = _quant_flags(fmt, group_size, double_quant, storage_dtype, modules, skip)
+    with output.progress("quantizing", unit="bytes", enabled=not json_out and not verify) as progress:
+        result = api.quantize(target, out, flags=flags, overrides=overrides(set_), verify=verify,
+                              max_shard_size=max_shard_size, eval_prompts=eval_prompts, progress=progress)
     if verify:
-        extra = [label for label, _ in flags.values()]
-        extra += [name for name, given in (("PROFILE | SRC", target), ("OUT", out), ("--max-shard-size", max_shard_size),
-                                           ("--eval-prompts", eval_prompts), ("--set", sets)) if given not in (None, [])]
-        if extra:
-            raise UserError(f"--verify re-hashes a finished output and takes nothing else (got {', '.join(extra)})",
-                            fix="run orbitctl quantize --verify OUT on its own (--json is fine)")
-        result = verify_output(verify)
         if json_out:
             output.emit_json(result)
         else:
             output.info(f"[green]ok[/green]  {len(result['files'])} files match {verify}/quant_manifest.json")
         return
-    if target is None:
-        raise UserError("nothing to quantize", fix="pass a profile, or SRC OUT --format FMT, or --verify OUT (see orbitctl quantize --help)")
-    evals = 0 if eval_prompts is None else eval_prompts
-    shard = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    if out is None:
-        from orbitctl.profile.support import refuse_overrides_outside
-
-        refuse_overrides_outside(sets, ("quant", "model.path", "model.quantized_path"), "quantize PROFILE",
-                                 fix="drop it: quantize writes model.path into model.quantized_path with the quant section")
-        sets = sets + _flag_overrides(flags, sets)
-    else:
-        options = src_out_options(flags, sets)
-    with _progress_bar(enabled=not json_out) as progress:
-        if out is None:
-            result = quantize_profile(target, sets, progress=progress, eval_prompts=evals, **shard)
-        else:
-            result = run_quantize(target, out, **options, progress=progress, eval_prompts=evals, **shard)
     if json_out:
         output.emit_json(result.to_dict())
     else:
@@ -99,65 +76,18 @@ def _quant_flags(fmt, group_size, double_quant, storage_dtype, modules, skip) ->
     return {name: pair for name, pair in given.items() if pair[1] is not None}
 
 
-def _flag_overrides(flags: dict, sets: list[str]) -> list[str]:
-    """PROFILE mode: each quant flag as the ``quant.KEY=VALUE`` override it stands for."""
-    import json
-
-    from orbitctl.profile.support import given_keys
-
-    keys = set(given_keys(sets))
-    extra = []
-    for name, (label, value) in flags.items():
-        clash = f"quant.{name}" if f"quant.{name}" in keys else ("quant" if "quant" in keys else None)
-        if clash:
-            raise UserError(f"{label} and --set {clash} both set quant.{name}", fix="give the value once")
-        extra.append(f"quant.{name}={json.dumps(value)}")
-    return extra
-
-
-class _progress_bar:
-    """A rich bar by bytes on stderr (throughput, ETA), shown from the first byte; a no-op with --json.
-
-    Starting it lazily keeps bad-input errors, raised before any byte is read, to one line.
-    """
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.bar = None
-        self.task = None
-
-    def __enter__(self):
-        return self.update if self.enabled else None
-
-    def update(self, done: int, total: int) -> None:
-        if self.bar is None:
-            from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
-
-            self.bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                                TransferSpeedColumn(), TimeRemainingColumn(), console=output.stderr)
-            self.bar.start()
-            self.task = self.bar.add_task("quantizing", total=total)
-        self.bar.update(self.task, completed=done, total=total)
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-
 def _render(result) -> None:
-    from rich.table import Table
-
     report = result.report
-    table = Table(title=f"{result.output}  ({_fmt_name(result.format)})", title_justify="left")
-    for col in ("kind", "tensors", "params", "rel err", "SQNR dB", "max abs", "bits/w"):
-        table.add_column(col, justify="left" if col == "kind" else "right", no_wrap=True)
+    table = output.table(f"{result.output}  ({_fmt_name(result.format)})",
+                         ("kind", "tensors", "params", "rel err", "SQNR dB", "max abs", "bits/w"), no_wrap=True)
     for kind, row in report.get("summary", {}).get("quantized", {}).items():
         table.add_row(kind, str(row["tensors"]), f"{row['params']:,}", f"{row['rel_fro_error']:.4f}",
                       "exact" if row["sqnr_db"] is None else f"{row['sqnr_db']:.1f}", f"{row['max_abs_error']:.4g}",
                       f"{row['bits_per_weight']:.3f}")
     for kind, row in report.get("summary", {}).get("kept", {}).items():
+        bits = row.get("bits_per_weight")
         table.add_row(f"[dim]{kind} kept[/dim]", str(row["tensors"]), f"{row['params']:,}", "-", "-", "-",
-                      f"{8.0 * row['bytes_out'] / row['params']:.1f}" if row["params"] else "-")
+                      "-" if bits is None else f"{bits:.1f}")
     output.show(table)
     bpw = report.get("bits_per_weight_quantized")
     lines = [f"bytes in {result.bytes_in:,}  out {result.bytes_out:,}  "

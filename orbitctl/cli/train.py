@@ -13,6 +13,7 @@ import typer
 
 from orbitctl.cli import output
 from orbitctl.cli.common import JsonOption, SetOption, overrides
+from orbitctl.units import gib
 
 
 def train_command(
@@ -32,16 +33,12 @@ def train_command(
 
         orbitctl train profiles/tiny-cpu.yaml --fresh --json
     """
-    from orbitctl.profile import load_profile
-    from orbitctl.profile.support import TRAIN, given_keys, refuse_unsupported
-    from orbitctl.rl.trainer import train
+    from orbitctl.rl import api
 
-    sets = overrides(set_)
-    profile = load_profile(profile_path, sets)
-    refuse_unsupported(profile, TRAIN, given_keys(sets))  # before any data, model or process group
+    profile = api.load_train_profile(profile_path, overrides(set_))
     view = None if json_out else LiveView(profile.rl.steps if steps is None else steps, profile.run.log_every)
     try:
-        result = train(profile, fresh=fresh, steps=steps, on_event=view.event if view else None)
+        result = api.train(profile, fresh=fresh, steps=steps, on_event=view.event if view else None)
     finally:
         if view:
             view.close()
@@ -60,11 +57,8 @@ class LiveView:
     """Progress, reward, entropy, mismatch, throughput and memory on stderr; warnings as they come."""
 
     def __init__(self, total: int, every: int) -> None:
-        from rich.live import Live
-
         self.total, self.every = total, every
-        self.live = Live(console=output.stderr, refresh_per_second=4, transient=True)
-        self.started = False
+        self.line = output.LiveLine()
         self.last_eval = ""
 
     def event(self, kind: str, payload: dict) -> None:
@@ -73,11 +67,8 @@ class LiveView:
             output.info(f"base: {payload['base']}{' (built now)' if payload.get('built') else ' (cached)'}")
             if payload.get("quant"):
                 output.info(f"frozen base {payload['quant']}")
-            acc = payload.get("accumulation") or {}
-            if acc and acc["derived"] != acc["profile"]:
-                output.warn(f"gradient accumulation is {acc['derived']} micro-batches per optimizer step, derived from "
-                            f"rl.prompts_per_step x rl.group_size / rl.minibatches / ranks / memory.micro_batch_size; "
-                            f"memory.gradient_accumulation_steps={acc['profile']} is what `orbitctl plan` assumes")
+            for message in payload.get("warnings", []):
+                output.warn(message)
         elif kind == "resume":
             output.info(f"resuming at step {payload['step']} from {payload['checkpoint']}")
         elif kind == "eval":
@@ -89,10 +80,7 @@ class LiveView:
             if "eval_accuracy" in payload:
                 self.last_eval = f"eval acc {payload['eval_accuracy']:.1%}"
             if payload["step"] % self.every == 0 or payload["step"] == self.total:
-                if not self.started:
-                    self.live.start()
-                    self.started = True
-                self.live.update(self._line(payload))
+                self.line.update(self._line(payload))
 
     def _line(self, r: dict) -> str:
         def fmt(value, spec):
@@ -101,11 +89,10 @@ class LiveView:
         return (f"step {r['step']}/{self.total}  reward {fmt(r['reward_mean'], '.3f')}  acc {fmt(r['accuracy'], '.1%')}  "
                 f"{self.last_eval}  entropy {fmt(r['entropy'], '.3f')}  k3 {fmt(r['mismatch_k3_kl'], '.1e')}  "
                 f"|dlogp|max {fmt(r['mismatch_logp_abs_max'], '.1e')}  {fmt(r['samples_per_s'], '.0f')} samples/s  "
-                f"{fmt(r['tokens_per_s'], '.0f')} tok/s  mem {r['peak_memory_bytes'] / 2**30:.2f} GiB")
+                f"{fmt(r['tokens_per_s'], '.0f')} tok/s  mem {gib(r['peak_memory_bytes'])} GiB")
 
     def close(self) -> None:
-        if self.started:
-            self.live.stop()
+        self.line.close()
 
 
 def register(app: typer.Typer) -> None:

@@ -14,9 +14,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from orbitctl.doctor.checks_base import CheckContext, Outcome, check, no_gpu_outcome
 from orbitctl.doctor.findings import FAIL, PASS, SKIP, WARN
+from orbitctl.doctor.registry import CheckContext, Outcome, check, no_gpu_outcome
 from orbitctl.doctor.snapshot import Snapshot
+from orbitctl.units import MiB
 
 # busbw below this (GB/s) on 8 NVLink GPUs means a link, P2P or NUMA problem
 LOW_BUSBW_NVLINK_GBS = 100.0
@@ -119,7 +120,7 @@ def act_nccl(s: Snapshot, ctx: CheckContext) -> Outcome:
     if r.get("status") != "ok":
         return Outcome(FAIL, [f"all-reduce {r.get('status')}: {r.get('detail', 'wrong result')}"], fix, r)
     bw = float(r.get("busbw_gbs", 0.0))
-    ev = [f"{r.get('world')} ranks, {r.get('bytes', 0) / 2**20:.0f} MiB, busbw {bw:.1f} GB/s ({r.get('backend')})"]
+    ev = [f"{r.get('world')} ranks, {r.get('bytes', 0) / MiB:.0f} MiB, busbw {bw:.1f} GB/s ({r.get('backend')})"]
     nvlink = any(any(g.nvlink_active or []) for g in s.nvml.gpus)
     floor = LOW_BUSBW_NVLINK_GBS if nvlink else LOW_BUSBW_PCIE_GBS
     if r.get("backend") == "nccl" and bw < floor:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from orbitctl.doctor.checks_base import CheckContext, Outcome, check
 from orbitctl.doctor.findings import INFO, PASS, UNKNOWN, WARN
+from orbitctl.doctor.registry import CheckContext, Outcome, check
 from orbitctl.doctor.snapshot import Snapshot
 from orbitctl.model.cpu_dtype import bf16_verdict, onednn_cap, resolve_dtype
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from orbitctl.doctor.checks_base import GiB, MiB, CheckContext, Outcome, check, gib, no_gpu_outcome
 from orbitctl.doctor.findings import FAIL, INFO, PASS, UNKNOWN, WARN
+from orbitctl.doctor.registry import CheckContext, Outcome, check, size_gib
 from orbitctl.doctor.snapshot import Snapshot
+from orbitctl.units import GiB, MiB
 
 # Old names torch still reads but warns about.
 RENAMED = {
@@ -74,7 +75,7 @@ def nccl_shm(s: Snapshot, ctx: CheckContext) -> Outcome:
         return Outcome(FAIL, ["/dev/shm does not exist"], fix)
     if shm.total_bytes is None:
         return Outcome(UNKNOWN, ["/dev/shm could not be read"])
-    ev = [f"/dev/shm {gib(shm.total_bytes)}, {gib(shm.free_bytes)} free"]
+    ev = [f"/dev/shm {size_gib(shm.total_bytes)}, {size_gib(shm.free_bytes)} free"]
     if not s.has_gpus:
         return Outcome(INFO, ev + ["no GPU: NCCL will not use it (DataLoader workers still do)"])
     free = shm.free_bytes if shm.free_bytes is not None else shm.total_bytes
@@ -100,10 +101,8 @@ def net_port(s: Snapshot, ctx: CheckContext) -> Outcome:
     return Outcome(PASS, [f"port {mp.port} can be bound"])
 
 
-@check("env.alloc", "memory", "allocator configured against fragmentation")
+@check("env.alloc", "memory", "allocator configured against fragmentation", min_gpus=1)
 def env_alloc(s: Snapshot, ctx: CheckContext) -> Outcome:
-    if (gone := no_gpu_outcome(s)) is not None:
-        return gone
     conf = s.env.get("PYTORCH_CUDA_ALLOC_CONF")
     new = s.env.get("PYTORCH_ALLOC_CONF")
     if conf and new and conf != new:
@@ -121,7 +120,7 @@ def host_ram(s: Snapshot, ctx: CheckContext) -> Outcome:
     total, avail = s.host.mem_total_bytes, s.host.mem_available_bytes
     if total is None or avail is None:
         return Outcome(UNKNOWN, ["/proc/meminfo not read"])
-    ev = [f"{gib(total)} total, {gib(avail)} available"]
+    ev = [f"{size_gib(total)} total, {size_gib(avail)} available"]
     want = getattr(getattr(ctx.profile, "hardware", None), "host_ram_gib", None)
     if want is not None and total < 0.95 * want * GiB:
         return Outcome(WARN, ev + [f"the profile assumes {want:g} GiB (hardware.host_ram_gib)"],

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import re
 
-from orbitctl.doctor.checks_base import (
-    NO_GPU, CheckContext, Outcome, check, fail_if, field_unknown, gib, gpu_label, no_gpu_outcome,
-)
 from orbitctl.doctor.findings import FAIL, INFO, PASS, SKIP, UNKNOWN, WARN, worst
+from orbitctl.doctor.registry import (
+    NO_GPU, CheckContext, Outcome, check, fail_if, field_unknown, gpu_label, no_gpu_outcome, size_gib,
+)
 from orbitctl.doctor.snapshot import Snapshot
 from orbitctl.doctor.xid import XID_RE, classify_xid
+from orbitctl.units import GiB
 
 # A foreign process holding this share of a GPU will make a run planned for the whole GPU OOM.
 FOREIGN_FAIL_SHARE = 0.10
 # Memory the driver keeps on an idle GPU; more than this with no process listed is someone else's.
-IDLE_USED_BYTES = 1024**3
+IDLE_USED_BYTES = GiB
 
 
 @check("env.nvml", "GPU", "NVIDIA driver visible (NVML)")
@@ -60,10 +61,8 @@ def _version_pair(text: str | None) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-@check("ver.driver", "GPU", "driver supports the torch CUDA version")
+@check("ver.driver", "GPU", "driver supports the torch CUDA version", min_gpus=1)
 def ver_driver(s: Snapshot, ctx: CheckContext) -> Outcome:
-    if (gone := no_gpu_outcome(s)) is not None:
-        return gone
     wheel = _version_pair(s.torch.cuda)
     if wheel is None:
         return Outcome(SKIP, ["torch has no CUDA build to compare (see env.torch)"])
@@ -82,10 +81,8 @@ def ver_driver(s: Snapshot, ctx: CheckContext) -> Outcome:
     return Outcome(PASS, ev)
 
 
-@check("ver.arch", "GPU", "torch has kernels for this GPU architecture")
+@check("ver.arch", "GPU", "torch has kernels for this GPU architecture", min_gpus=1)
 def ver_arch(s: Snapshot, ctx: CheckContext) -> Outcome:
-    if (gone := no_gpu_outcome(s)) is not None:
-        return gone
     if not s.torch.cuda:
         return Outcome(SKIP, ["no CUDA torch build (see env.torch)"])
     if not s.torch.arch_list:
@@ -139,10 +136,8 @@ def ver_nccl(s: Snapshot, ctx: CheckContext) -> Outcome:
         if bad else Outcome(PASS, ev)
 
 
-@check("ver.uniform", "GPU", "all GPUs alike (model, VBIOS)")
+@check("ver.uniform", "GPU", "all GPUs alike (model, VBIOS)", min_gpus=1)
 def ver_uniform(s: Snapshot, ctx: CheckContext) -> Outcome:
-    if (gone := no_gpu_outcome(s)) is not None:
-        return gone
     names = {g.name for g in s.nvml.gpus if g.name}
     vbios = {g.vbios for g in s.nvml.gpus if g.vbios}
     bad = []
@@ -178,18 +173,14 @@ def gpu_count(s: Snapshot, ctx: CheckContext) -> Outcome:
                    "log for Xid 79 (a GPU that fell off the bus)") if bad else Outcome(PASS, ev)
 
 
-@check("gpu.lost", "GPU", "no GPU lost (fallen off the bus)")
+@check("gpu.lost", "GPU", "no GPU lost (fallen off the bus)", min_gpus=1)
 def gpu_lost(s: Snapshot, ctx: CheckContext) -> Outcome:
-    if (gone := no_gpu_outcome(s)) is not None:
-        return gone
     bad = [f"{gpu_label(g)} is lost (NVML GPU_IS_LOST)" for g in s.nvml.gpus if g.lost]
     return fail_if(bad, "every GPU answers", fix="Reboot the node; reseat the GPU and check its power; RMA if it repeats")
 
 
-@check("gpu.fabric", "GPU", "NVSwitch fabric manager ready")
+@check("gpu.fabric", "GPU", "NVSwitch fabric manager ready", min_gpus=1)
 def gpu_fabric(s: Snapshot, ctx: CheckContext) -> Outcome:
-    if (gone := no_gpu_outcome(s)) is not None:
-        return gone
     states = {g.index: g.fabric_state for g in s.nvml.gpus}
     if all(v in (None, "not_supported") for v in states.values()):
         if any(g.errors.get("fabric") == "no_permission" for g in s.nvml.gpus):
@@ -201,10 +192,8 @@ def gpu_fabric(s: Snapshot, ctx: CheckContext) -> Outcome:
                        "CUDA fails with Error 802 'system not yet initialized' until it is up")
 
 
-@check("gpu.busy", "GPU", "no foreign or dead process holding GPU memory")
+@check("gpu.busy", "GPU", "no foreign or dead process holding GPU memory", min_gpus=1)
 def gpu_busy(s: Snapshot, ctx: CheckContext) -> Outcome:
-    if (gone := no_gpu_outcome(s)) is not None:
-        return gone
     if all(g.processes is None for g in s.nvml.gpus):
         return field_unknown(s.nvml.gpus, "processes", "running processes")
     job = running_job(s)
@@ -219,7 +208,7 @@ def gpu_busy(s: Snapshot, ctx: CheckContext) -> Outcome:
             listed += p.used_bytes or 0
             if p.own:
                 continue
-            what = f"{gpu_label(g)}: pid {p.pid}{' (' + p.name + ')' if p.name else ''} holds {gib(p.used_bytes)}"
+            what = f"{gpu_label(g)}: pid {p.pid}{' (' + p.name + ')' if p.name else ''} holds {size_gib(p.used_bytes)}"
             if p.alive is False:
                 fails.append(what + " but the process is gone (zombie allocation)")
             elif g.memory_total_bytes and (p.used_bytes or 0) >= FOREIGN_FAIL_SHARE * g.memory_total_bytes:
@@ -227,7 +216,7 @@ def gpu_busy(s: Snapshot, ctx: CheckContext) -> Outcome:
             else:
                 warns.append(what)
         if g.processes == [] and (g.memory_used_bytes or 0) > IDLE_USED_BYTES:
-            warns.append(f"{gpu_label(g)}: {gib(g.memory_used_bytes)} in use by processes NVML cannot list "
+            warns.append(f"{gpu_label(g)}: {size_gib(g.memory_used_bytes)} in use by processes NVML cannot list "
                          "(another container?)")
     fix = ("Stop the stale job: kill <pid> (check `nvidia-smi --query-compute-apps=pid,used_memory --format=csv`); "
            "for a dead PID still holding memory reset the GPU: sudo nvidia-smi -r -i <gpu>")
@@ -247,10 +236,8 @@ def running_job(s: Snapshot) -> str | None:
     return f"{len(procs)} x {names.pop() or 'process'} (pids {', '.join(str(p[0].pid) for p in procs)})"
 
 
-@check("gpu.persist", "GPU", "persistence mode on")
+@check("gpu.persist", "GPU", "persistence mode on", min_gpus=1)
 def gpu_persist(s: Snapshot, ctx: CheckContext) -> Outcome:
-    if (gone := no_gpu_outcome(s)) is not None:
-        return gone
     if all(g.persistence_mode is None for g in s.nvml.gpus):
         return field_unknown(s.nvml.gpus, "persistence_mode", "persistence mode")
     off = [gpu_label(g) for g in s.nvml.gpus if g.persistence_mode is False]
@@ -258,10 +245,8 @@ def gpu_persist(s: Snapshot, ctx: CheckContext) -> Outcome:
                    "sudo nvidia-smi -pm 1   (or enable the nvidia-persistenced service)")
 
 
-@check("ecc.dbe", "GPU", "no uncorrected ECC errors")
+@check("ecc.dbe", "GPU", "no uncorrected ECC errors", min_gpus=1)
 def ecc_dbe(s: Snapshot, ctx: CheckContext) -> Outcome:
-    if (gone := no_gpu_outcome(s)) is not None:
-        return gone
     gpus = s.nvml.gpus
     if all(g.ecc_volatile_uncorrected is None and g.ecc_aggregate_uncorrected is None for g in gpus):
         return field_unknown(gpus, "ecc.volatile", "ECC counters")
@@ -275,10 +260,8 @@ def ecc_dbe(s: Snapshot, ctx: CheckContext) -> Outcome:
     return Outcome(WARN, agg, fix) if agg else Outcome(PASS, ["0 uncorrected ECC errors"])
 
 
-@check("ecc.remap", "GPU", "row remapping healthy")
+@check("ecc.remap", "GPU", "row remapping healthy", min_gpus=1)
 def ecc_remap(s: Snapshot, ctx: CheckContext) -> Outcome:
-    if (gone := no_gpu_outcome(s)) is not None:
-        return gone
     gpus = s.nvml.gpus
     if all(g.remapped_rows is None for g in gpus):
         return field_unknown(gpus, "remapped_rows", "row remapping")
@@ -291,10 +274,8 @@ def ecc_remap(s: Snapshot, ctx: CheckContext) -> Outcome:
     return Outcome(PASS, ["no pending or failed row remaps"])
 
 
-@check("therm.temp", "GPU", "temperature below slowdown")
+@check("therm.temp", "GPU", "temperature below slowdown", min_gpus=1)
 def therm_temp(s: Snapshot, ctx: CheckContext) -> Outcome:
-    if (gone := no_gpu_outcome(s)) is not None:
-        return gone
     gpus = [g for g in s.nvml.gpus if g.temperature_c is not None]
     if not gpus:
         return field_unknown(s.nvml.gpus, "temperature", "temperature")
@@ -320,10 +301,8 @@ SW_BITS = {0x4: "SwPowerCap", 0x20: "SwThermalSlowdown"}
 BUSY_PCT = 30
 
 
-@check("therm.clk", "GPU", "no hardware clock throttling")
+@check("therm.clk", "GPU", "no hardware clock throttling", min_gpus=1)
 def therm_clk(s: Snapshot, ctx: CheckContext) -> Outcome:
-    if (gone := no_gpu_outcome(s)) is not None:
-        return gone
     gpus = [g for g in s.nvml.gpus if g.clock_event_reasons is not None]
     if not gpus:
         return field_unknown(s.nvml.gpus, "clock_event_reasons", "clock event reasons")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from orbitctl.doctor.checks_base import CheckContext, Outcome, check, gib, no_gpu_outcome
 from orbitctl.doctor.findings import FAIL, PASS, SKIP, UNKNOWN, WARN
+from orbitctl.doctor.registry import CheckContext, Outcome, check, no_gpu_outcome, size_gib
 from orbitctl.doctor.replan import replan
 from orbitctl.doctor.snapshot import Snapshot
+from orbitctl.units import gib
 
 
 def _profile_gpu(ctx: CheckContext):
@@ -14,9 +15,11 @@ def _profile_gpu(ctx: CheckContext):
     return resolve_gpu(ctx.profile.hardware.gpu)
 
 
-def _expected_bytes(ctx: CheckContext) -> int:
-    hw = ctx.profile.hardware
-    return int(hw.gpu_memory_gib * 1024**3) if hw.gpu_memory_gib else _profile_gpu(ctx).visible_bytes
+def _not_here(s: Snapshot, ctx: CheckContext) -> Outcome | None:
+    """SKIP for a CPU profile, then the no-GPU outcome; None when the profile's GPUs can be judged here."""
+    if _profile_gpu(ctx).name == "cpu":
+        return Outcome(SKIP, ["profile runs on CPU"])
+    return no_gpu_outcome(s)
 
 
 def _used_gpus(s: Snapshot, ctx: CheckContext):
@@ -48,33 +51,29 @@ def prof_gpu(s: Snapshot, ctx: CheckContext) -> Outcome:
 
 @check("prof.mem", "memory", "GPU memory the profile assumes is there", when="profile")
 def prof_mem(s: Snapshot, ctx: CheckContext) -> Outcome:
-    if _profile_gpu(ctx).name == "cpu":
-        return Outcome(SKIP, ["profile runs on CPU"])
-    if (gone := no_gpu_outcome(s)) is not None:
-        return gone
-    want = _expected_bytes(ctx)
+    if (skip := _not_here(s, ctx)) is not None:
+        return skip
+    want = ctx.profile.hardware.memory_bytes()
     gpus = [g for g in _used_gpus(s, ctx) if g.memory_total_bytes]
     if not gpus:
         return Outcome(UNKNOWN, ["GPU memory not reported"])
     least = min(gpus, key=lambda g: g.memory_total_bytes)
-    ev = [f"profile assumes {gib(want)} per GPU; smallest here GPU {least.index}: {gib(least.memory_total_bytes)}"]
+    ev = [f"profile assumes {size_gib(want)} per GPU; smallest here GPU {least.index}: {size_gib(least.memory_total_bytes)}"]
     if least.memory_total_bytes < 0.98 * want:
-        return Outcome(FAIL, ev, f"orbitctl plan PROFILE --set hardware.gpu_memory_gib={least.memory_total_bytes / 1024**3:.0f}")
+        return Outcome(FAIL, ev, f"orbitctl plan PROFILE --set hardware.gpu_memory_gib={gib(least.memory_total_bytes, 0)}")
     return Outcome(PASS, ev)
 
 
 @check("prof.fit", "memory", "the run fits here, now (plan for real free memory)", when="profile")
 def prof_fit(s: Snapshot, ctx: CheckContext) -> Outcome:
-    if _profile_gpu(ctx).name == "cpu":
-        return Outcome(SKIP, ["profile runs on CPU"])
-    if (gone := no_gpu_outcome(s)) is not None:
-        return gone
+    if (skip := _not_here(s, ctx)) is not None:
+        return skip
     gpus = [g for g in _used_gpus(s, ctx) if g.memory_free_bytes is not None]
     if not gpus:
         return Outcome(UNKNOWN, ["free GPU memory not reported"])
     least = min(gpus, key=lambda g: g.memory_free_bytes)
     verdict = replan(ctx.profile, least.memory_free_bytes)
-    ev = [f"least free: GPU {least.index} {gib(least.memory_free_bytes)}", verdict.summary()]
+    ev = [f"least free: GPU {least.index} {size_gib(least.memory_free_bytes)}", verdict.summary()]
     data = {"gpu_memory_bytes": verdict.gpu_memory_bytes, "peak_bytes": verdict.peak_bytes,
             "usable_bytes": verdict.usable_bytes, "fits": verdict.fits, "advice": verdict.advice}
     if not verdict.available:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from orbitctl.doctor.checks_base import CheckContext, Outcome, check, fail_if, field_unknown, gpu_label, no_gpu_outcome
 from orbitctl.doctor.checks_gpu import BUSY_PCT
-from orbitctl.doctor.findings import FAIL, INFO, PASS, SKIP, UNKNOWN, WARN
+from orbitctl.doctor.findings import FAIL, INFO, PASS, UNKNOWN, WARN
+from orbitctl.doctor.registry import CheckContext, Outcome, check, fail_if, field_unknown, gpu_label
 from orbitctl.doctor.snapshot import Gpu, Snapshot
 from orbitctl.doctor.sysfs import format_cpulist
 
@@ -14,10 +14,8 @@ def _link(g: Gpu) -> str:
     return f"Gen{p.cur_gen} x{p.cur_width} (max Gen{p.max_gen} x{p.max_width})"
 
 
-@check("pcie.width", "topology", "PCIe link at full width")
+@check("pcie.width", "topology", "PCIe link at full width", min_gpus=1)
 def pcie_width(s: Snapshot, ctx: CheckContext) -> Outcome:
-    if (gone := no_gpu_outcome(s)) is not None:
-        return gone
     gpus = [g for g in s.nvml.gpus if g.pcie.cur_width and g.pcie.max_width]
     if not gpus:
         return field_unknown(s.nvml.gpus, "pcie.cur_width", "PCIe link width")
@@ -26,10 +24,8 @@ def pcie_width(s: Snapshot, ctx: CheckContext) -> Outcome:
                    fix="Re-check under load; then reseat the GPU or riser and check the BIOS slot bifurcation (x16)")
 
 
-@check("pcie.gen", "topology", "PCIe link at full generation")
+@check("pcie.gen", "topology", "PCIe link at full generation", min_gpus=1)
 def pcie_gen(s: Snapshot, ctx: CheckContext) -> Outcome:
-    if (gone := no_gpu_outcome(s)) is not None:
-        return gone
     gpus = [g for g in s.nvml.gpus if g.pcie.cur_gen and g.pcie.max_gen]
     if not gpus:
         return field_unknown(s.nvml.gpus, "pcie.cur_gen", "PCIe generation")
@@ -44,10 +40,8 @@ def pcie_gen(s: Snapshot, ctx: CheckContext) -> Outcome:
                    + ["idle GPUs lower the link generation to save power; judge it under load"])
 
 
-@check("pcie.replay", "topology", "PCIe replay counter steady")
+@check("pcie.replay", "topology", "PCIe replay counter steady", min_gpus=1)
 def pcie_replay(s: Snapshot, ctx: CheckContext) -> Outcome:
-    if (gone := no_gpu_outcome(s)) is not None:
-        return gone
     gpus = [g for g in s.nvml.gpus if g.pcie.replay_counter is not None and g.pcie.replay_counter_later is not None]
     if not gpus:
         return field_unknown(s.nvml.gpus, "pcie.replay", "PCIe replay counter")
@@ -62,10 +56,8 @@ def _sxm(g: Gpu) -> bool:
     return "SXM" in name or "HBM" in name or g.fabric_state in ("completed", "in_progress", "not_started")
 
 
-@check("nvl.links", "topology", "NVLink links up")
+@check("nvl.links", "topology", "NVLink links up", min_gpus=1)
 def nvl_links(s: Snapshot, ctx: CheckContext) -> Outcome:
-    if (gone := no_gpu_outcome(s)) is not None:
-        return gone
     gpus = s.nvml.gpus
     if all(g.nvlink_active is None for g in gpus):
         if any(_sxm(g) for g in gpus):
@@ -84,12 +76,8 @@ def nvl_links(s: Snapshot, ctx: CheckContext) -> Outcome:
                        "nvidia-fabricmanager; RMA the board if the link stays down")
 
 
-@check("topo.p2p", "topology", "peer-to-peer access between every GPU pair")
+@check("topo.p2p", "topology", "peer-to-peer access between every GPU pair", min_gpus=2, too_few="one GPU: no pairs")
 def topo_p2p(s: Snapshot, ctx: CheckContext) -> Outcome:
-    if (gone := no_gpu_outcome(s)) is not None:
-        return gone
-    if len(s.nvml.gpus) < 2:
-        return Outcome(SKIP, ["one GPU: no pairs"])
     if not s.nvml.pairs or all(p.p2p_read is None for p in s.nvml.pairs):
         return Outcome(UNKNOWN, ["P2P status was not read"])
     bad = [f"GPU {p.a} <-> GPU {p.b}: P2P read {p.p2p_read} (path {p.common_ancestor})"
@@ -98,12 +86,8 @@ def topo_p2p(s: Snapshot, ctx: CheckContext) -> Outcome:
                    "Disable PCIe ACS in the BIOS or boot with iommu=pt; otherwise: export NCCL_P2P_DISABLE=1")
 
 
-@check("topo.acs", "topology", "ACS/IOMMU not in the P2P path")
+@check("topo.acs", "topology", "ACS/IOMMU not in the P2P path", min_gpus=2, too_few="one GPU: no P2P path")
 def topo_acs(s: Snapshot, ctx: CheckContext) -> Outcome:
-    if (gone := no_gpu_outcome(s)) is not None:
-        return gone
-    if len(s.nvml.gpus) < 2:
-        return Outcome(SKIP, ["one GPU: no P2P path"])
     bad = []
     cmd = s.host.cmdline
     if cmd is not None:
@@ -122,10 +106,8 @@ def topo_acs(s: Snapshot, ctx: CheckContext) -> Outcome:
     return Outcome(PASS, ["IOMMU passthrough/off and no ACS bridges"])
 
 
-@check("numa.map", "topology", "GPU to NUMA node map")
+@check("numa.map", "topology", "GPU to NUMA node map", min_gpus=1)
 def numa_map(s: Snapshot, ctx: CheckContext) -> Outcome:
-    if (gone := no_gpu_outcome(s)) is not None:
-        return gone
     rows = []
     for g in s.nvml.gpus:
         cpus = g.local_cpulist or g.cpu_affinity
@@ -143,10 +125,8 @@ def _gpu_node_cpus(s: Snapshot, g: Gpu) -> tuple[int | None, set[int]]:
     return None, set(g.local_cpulist or g.cpu_affinity or [])
 
 
-@check("numa.bind", "topology", "ranks bound to their GPU's NUMA node")
+@check("numa.bind", "topology", "ranks bound to their GPU's NUMA node", min_gpus=1)
 def numa_bind(s: Snapshot, ctx: CheckContext) -> Outcome:
-    if (gone := no_gpu_outcome(s)) is not None:
-        return gone
     all_cpus = {c for cpus in s.host.numa_nodes.values() for c in cpus}
     if not s.host.numa_nodes:
         return Outcome(UNKNOWN, ["/sys/devices/system/node not read"])

@@ -14,7 +14,10 @@ PASS, WARN, FAIL, SKIP, UNKNOWN, INFO = "PASS", "WARN", "FAIL", "SKIP", "UNKNOWN
 STATUSES = (FAIL, WARN, UNKNOWN, INFO, PASS, SKIP)
 SEVERITY = {s: i for i, s in enumerate(reversed(STATUSES))}  # higher is worse
 
-AREAS = ("GPU", "topology", "NCCL", "memory", "host", "log")
+AREAS = ("log", "GPU", "topology", "NCCL", "memory", "host")
+"""Every area a finding can belong to, in the order a report shows them (the log's story first)."""
+BRIEF = (PASS, SKIP)
+"""Statuses whose first evidence line says it all; the others show every line."""
 
 
 @dataclass
@@ -31,6 +34,15 @@ class Finding:
     """Distributed rank the finding is attributed to (log findings), when known."""
     data: dict[str, Any] = field(default_factory=dict)
     """Parsed numbers behind the verdict (e.g. OOM sizes, watchdog SeqNum) for --json readers."""
+
+    def __post_init__(self) -> None:
+        if self.area not in AREAS:
+            raise ValueError(f"finding {self.id}: unknown area {self.area!r} (one of {', '.join(AREAS)})")
+
+    @property
+    def shown_evidence(self) -> list[str]:
+        """The evidence worth showing: the first line of a PASS or SKIP, every line of the rest."""
+        return self.evidence[:1] if self.status in BRIEF else list(self.evidence)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -60,6 +72,20 @@ class Report:
     @property
     def exit_code(self) -> int:
         return 1 if self.failed else 0
+
+    @property
+    def verdict(self) -> str:
+        """FAILED when any finding is FAIL, else OK."""
+        return "FAILED" if self.failed else "OK"
+
+    def failed_ids(self) -> list[str]:
+        return [f.id for f in self.findings if f.status == FAIL]
+
+    def by_area(self) -> list[tuple[str, list[Finding]]]:
+        """(area, its findings) in AREAS order, areas without findings left out; an area AREAS lacks comes last."""
+        areas = list(AREAS) + sorted({f.area for f in self.findings} - set(AREAS))
+        grouped = [(area, [f for f in self.findings if f.area == area]) for area in areas]
+        return [(area, rows) for area, rows in grouped if rows]
 
     def by_id(self, check_id: str) -> Finding | None:
         return next((f for f in self.findings if f.id == check_id), None)

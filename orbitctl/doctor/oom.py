@@ -16,10 +16,10 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from orbitctl.doctor.signatures import OOM_PARTS
+from orbitctl.units import BYTE_UNITS, GiB, KiB, MiB, TiB, gib
 
-_UNITS = {"b": 1, "bytes": 1, "kib": 1024, "kb": 1000, "mib": 1024**2, "mb": 1000**2, "gib": 1024**3, "gb": 1000**3,
-          "tib": 1024**4, "tb": 1000**4, "pib": 1024**5}
-GiB = 1024**3
+# the suffixes a user may write, plus the two that only allocator messages use
+_UNITS = {**{suffix.lower(): size for suffix, size in BYTE_UNITS.items()}, "bytes": 1, "pib": KiB * TiB}
 
 
 def parse_size(text: str | None) -> int | None:
@@ -65,7 +65,7 @@ class OomDetails:
 def _g(n: int | None) -> str:
     if n is None:
         return "?"
-    return f"{n / GiB:.2f} GiB" if n >= GiB / 4 else f"{n / 1024**2:.0f} MiB"
+    return f"{gib(n)} GiB" if n >= GiB / 4 else f"{n / MiB:.0f} MiB"
 
 
 def parse_oom(text: str) -> OomDetails:

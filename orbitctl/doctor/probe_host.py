@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from orbitctl.doctor.probe_nvml import GpuProbe, NvmlProbe
 from orbitctl.doctor.snapshot import Cpu, Host, KernelLog, MasterPort, ProcessBinding, Shm, Snapshot, TorchInfo
 from orbitctl.doctor.sysfs import read_numa_nodes, read_process_binding, read_text
+from orbitctl.units import KiB
 
 ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "CUDA_", "PYTORCH_", "TORCH_FR_")
 ENV_NAMES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LD_LIBRARY_PATH", "LD_PRELOAD",
@@ -115,7 +116,7 @@ def probe_host() -> Host:
     for key, attr in (("MemTotal", "mem_total_bytes"), ("MemAvailable", "mem_available_bytes")):
         m = re.search(rf"^{key}:\s+(\d+) kB", meminfo, re.M)
         if m:
-            setattr(host, attr, int(m.group(1)) * 1024)
+            setattr(host, attr, int(m.group(1)) * KiB)  # /proc/meminfo's kB are KiB
     host.acs_enabled_bridges = probe_acs()
     return host
 

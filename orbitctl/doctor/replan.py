@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-GiB = 1024**3
+from orbitctl.plan.result import set_values
+from orbitctl.units import GiB, gib
 
 
 @dataclass
@@ -39,15 +40,11 @@ class Replan:
 def _gib(n: int | None) -> str:
     if n is None:
         return "?"
-    return f"{n / GiB:.0f} GiB" if n >= 10 * GiB else f"{n / GiB:.1f} GiB"
-
-
-def _value(v: Any) -> str:
-    return str(v).lower() if isinstance(v, bool) else str(v)
+    return f"{gib(n, 0 if n >= 10 * GiB else 1)} GiB"
 
 
 def format_change(change: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={_value(v)}" for k, v in change.items())
+    return ", ".join(set_values(change))
 
 
 def replan(profile: Any, gpu_memory_bytes: int) -> Replan:
@@ -82,5 +79,5 @@ def replan(profile: Any, gpu_memory_bytes: int) -> Replan:
     # changes that make it fit, when there are any; otherwise the partial ones
     out.advice = [line for line, _ in (fitting or other)]
     if fitting:
-        out.set_flags = [f"{k}={_value(v)}" for k, v in fitting[0][1].items()]
+        out.set_flags = set_values(fitting[0][1])
     return out

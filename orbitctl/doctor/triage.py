@@ -220,10 +220,7 @@ def _add_plan_advice(g: Group, profile: Any) -> None:
     if isinstance(d, OomDetails) and d.total:
         memory = d.total - d.peer_bytes
     if memory is None:
-        from orbitctl.profile.gpus import resolve_gpu
-
-        hw = profile.hardware
-        memory = int(hw.gpu_memory_gib * 1024**3) if hw.gpu_memory_gib else resolve_gpu(hw.gpu).visible_bytes
+        memory = profile.hardware.memory_bytes()
     verdict = replan(profile, memory)
     g.data["plan"] = {"gpu_memory_bytes": verdict.gpu_memory_bytes, "fits": verdict.fits, "peak_bytes": verdict.peak_bytes,
                       "usable_bytes": verdict.usable_bytes, "advice": verdict.advice, "set": verdict.set_flags}

@@ -24,8 +24,8 @@ import platform
 from dataclasses import dataclass
 from typing import Mapping
 
-DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-"""Profile dtype name -> torch dtype name."""
+from orbitctl.units import TORCH_DTYPE_NAMES
+
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 """CPU flags (as /proc/cpuinfo spells them) of native bf16 arithmetic."""
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
@@ -70,7 +70,7 @@ def resolve_dtype(name: str, device_type: str, *, cpu_native_bf16: bool) -> str:
     ``auto``: bf16 on an accelerator (cuda), on the CPU bf16 when it runs bf16 natively, else fp32.
     """
     if name != "auto":
-        if name not in DTYPE_NAMES:
+        if name not in TORCH_DTYPE_NAMES:
             from orbitctl.errors import UserError
 
             raise UserError(f"dtype: unknown value '{name}'", fix="use bf16, fp16, fp32 or auto")
@@ -199,7 +199,7 @@ def torch_dtype(name: str, device="cpu"):
     """The torch dtype of ``name`` (bf16, fp16, fp32 or auto) on ``device``."""
     import torch
 
-    return getattr(torch, DTYPE_NAMES[resolved_dtype(name, device)])
+    return getattr(torch, TORCH_DTYPE_NAMES[resolved_dtype(name, device)])
 
 
 def describe(name: str, device="cpu") -> str:
@@ -210,3 +210,24 @@ def describe(name: str, device="cpu") -> str:
     if device_type(device) != "cpu":
         return f"{resolved} (auto on {device_type(device)})"
     return f"{resolved} (auto: {host_bf16().reason})"
+
+
+def run_device_type(profile) -> str:
+    """'cuda' when the profile names a GPU and CUDA is there, else 'cpu' (as :func:`orbitctl.builder.policy_device`)."""
+    if profile.hardware.gpu == "cpu":
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def compute_dtype_name(profile) -> str:
+    """quant.compute_dtype resolved for where this profile runs: bf16, fp16 or fp32."""
+    return resolved_dtype(profile.quant.compute_dtype, run_device_type(profile))
+
+
+def dtype_summary(profile, device=None) -> str:
+    """One line: the compute and adapter dtypes a run on ``device`` uses, and why when they came from auto."""
+    device = device or run_device_type(profile)
+    compute, adapter = describe(profile.quant.compute_dtype, device), describe(profile.adapter.dtype, device)
+    return f"compute {compute}; adapter {adapter}" if adapter != compute else f"compute and adapter {compute}"

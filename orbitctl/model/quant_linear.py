@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from orbitctl.quant.formats import dequantize_fp8_blocks, dequantize_int4
+from orbitctl.codec.formats import dequantize_fp8_blocks, dequantize_int4
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:

@@ -20,7 +20,7 @@ from orbitctl.plan.advice import advise, max_micro_batch
 from orbitctl.plan.budget import evaluate, prepare
 from orbitctl.plan.result import COMPONENTS, PHASES, Advice, MemoryPlan
 
-__all__ = ["plan_profile", "plan_sweep", "apply_changes", "measure_profile", "run_plan", "MemoryPlan", "Advice",
+__all__ = ["plan_profile", "plan_sweep", "apply_changes", "measure_profile", "MemoryPlan", "Advice",
            "COMPONENTS", "PHASES"]
 
 
@@ -100,10 +100,3 @@ def measure_profile(profile, **kwargs):
     from orbitctl.plan.measure import measure_profile as _measure
 
     return _measure(profile, **kwargs)
-
-
-def run_plan(path, overrides=(), **kwargs):
-    """Everything `orbitctl plan` does for one invocation (see orbitctl.plan.run)."""
-    from orbitctl.plan.run import run_plan as _run
-
-    return _run(path, overrides, **kwargs)

@@ -39,13 +39,23 @@ class Advice:
     peak_bytes: int
     fits: bool
 
+    def set_values(self) -> list[str]:
+        """The change as ``--set`` values, e.g. ['memory.micro_batch_size=4']."""
+        return set_values(self.change)
+
     def to_dict(self) -> dict:
         return {"change": dict(self.change), "text": self.text, "peak_bytes": self.peak_bytes, "fits": self.fits,
-                "set": [f"{k}={_flag(v)}" for k, v in self.change.items()]}
+                "set": self.set_values()}
 
 
-def _flag(value: Any) -> str:
+def set_value(value: Any) -> str:
+    """A value as ``--set`` takes it back: booleans lower case (YAML), everything else as ``str``."""
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def set_values(change: dict[str, Any]) -> list[str]:
+    """``{'memory.micro_batch_size': 4}`` -> ``['memory.micro_batch_size=4']``: what to paste after ``--set``."""
+    return [f"{key}={set_value(value)}" for key, value in change.items()]
 
 
 @dataclass

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orbitctl.arch.spec import EMBEDDING, EXPERT, LM_HEAD, ROUTER, ArchSpec, Weight
+from orbitctl.units import DTYPE_BYTES
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FP8_BLOCK = 128 * 128
 
 

@@ -13,11 +13,11 @@ chosen format has no use for.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 from orbitctl.errors import UserError
+from orbitctl.rundir import read_json_or_none
 
 TRAIN = "train"
 VERIFY_INTERNAL = "verify-alignment"
@@ -208,10 +208,7 @@ def _base_mismatch(profile) -> list[Unsupported]:
     path = profile.model.quantized_path
     if not path:
         return []
-    try:
-        manifest = json.loads((Path(path) / "quant_manifest.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return []
+    manifest = read_json_or_none(Path(path) / "quant_manifest.json")
     options = manifest.get("options") if isinstance(manifest, dict) else None
     if not isinstance(options, dict) or "fmt" not in options:
         return []

@@ -1,7 +1,8 @@
 """What `orbitctl quantize` calls: a profile-driven conversion, the explicit one, and --verify.
 
-    from orbitctl.quant.api import quantize_profile
-    result = quantize_profile("profiles/tiny-cpu.yaml")
+    from orbitctl.quant import api
+    result = api.quantize_profile("profiles/tiny-cpu.yaml")
+    result = api.quantize("hf/llama-8b", "out/llama-8b-nf4", flags={"format": ("--format", "nf4")})
 """
 
 from __future__ import annotations
@@ -12,12 +13,11 @@ from typing import Any, Mapping, get_args
 
 from orbitctl.errors import UserError
 from orbitctl.quant.manifest import verify_output
+from orbitctl.units import BYTE_UNITS, TORCH_DTYPE_NAMES
 
-__all__ = ["quantize_profile", "run_quantize", "src_out_options", "verify_output", "parse_size"]
+__all__ = ["quantize", "quantize_profile", "run_quantize", "src_out_options", "verify_output", "parse_size"]
 
-_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
-          "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}
-_TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_UNITS = {"": 1, **BYTE_UNITS}
 
 
 def parse_size(text: str | int) -> int:
@@ -29,6 +29,54 @@ def parse_size(text: str | int) -> int:
     if not match or unit not in _UNITS:
         raise UserError(f"--max-shard-size: cannot read '{text}' as a size", fix="write it like 2GB, 500MB or 4GiB")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def quantize(target: str | None, out: str | None, *, flags: Mapping[str, tuple[str, Any]] | None = None,
+             overrides: list[str] | tuple[str, ...] = (), verify: str | None = None,
+             max_shard_size: str | int | None = None, eval_prompts: int | None = None, progress=None):
+    """Everything `orbitctl quantize` does for one invocation: ``--verify OUT`` (the manifest check, a dict),
+    ``PROFILE`` (:func:`quantize_profile`) or ``SRC OUT`` (:func:`run_quantize`); ``flags`` are the quant
+    flags given, field -> (flag as typed, value). A flag the chosen mode does not use is a UserError."""
+    flags = dict(flags or {})
+    overrides = list(overrides)
+    if verify:
+        extra = [label for label, _ in flags.values()]
+        extra += [name for name, given in (("PROFILE | SRC", target), ("OUT", out), ("--max-shard-size", max_shard_size),
+                                           ("--eval-prompts", eval_prompts), ("--set", overrides)) if given not in (None, [])]
+        if extra:
+            raise UserError(f"--verify re-hashes a finished output and takes nothing else (got {', '.join(extra)})",
+                            fix="run orbitctl quantize --verify OUT on its own (--json is fine)")
+        return verify_output(verify)
+    if target is None:
+        raise UserError("nothing to quantize",
+                        fix="pass a profile, or SRC OUT --format FMT, or --verify OUT (see orbitctl quantize --help)")
+    evals = 0 if eval_prompts is None else eval_prompts
+    shard = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    if out is None:
+        from orbitctl.profile.support import refuse_overrides_outside
+
+        refuse_overrides_outside(overrides, ("quant", "model.path", "model.quantized_path"), "quantize PROFILE",
+                                 fix="drop it: quantize writes model.path into model.quantized_path with the quant section")
+        return quantize_profile(target, overrides + flag_overrides(flags, overrides), progress=progress,
+                                eval_prompts=evals, **shard)
+    options = src_out_options(flags, overrides)
+    return run_quantize(target, out, **options, progress=progress, eval_prompts=evals, **shard)
+
+
+def flag_overrides(flags: Mapping[str, tuple[str, Any]], overrides: list[str]) -> list[str]:
+    """PROFILE mode: each quant flag as the ``quant.KEY=VALUE`` override it stands for."""
+    import json
+
+    from orbitctl.profile.support import given_keys
+
+    keys = set(given_keys(overrides))
+    extra = []
+    for name, (label, value) in flags.items():
+        clash = f"quant.{name}" if f"quant.{name}" in keys else ("quant" if "quant" in keys else None)
+        if clash:
+            raise UserError(f"{label} and --set {clash} both set quant.{name}", fix="give the value once")
+        extra.append(f"quant.{name}={json.dumps(value)}")
+    return extra
 
 
 def run_quantize(src: str, out: str, *, max_shard_size: str | int | None = None, **kwargs):
@@ -85,7 +133,7 @@ def src_out_options(flags: Mapping[str, tuple[str, Any]], overrides: list[str] |
         raise UserError("\n".join(item.render() for item in moot))
     return {"fmt": quant.format, "group_size": quant.group_size, "double_quant": quant.double_quant,
             "storage_dtype": quant.storage_dtype, "modules": quant.modules, "skip": tuple(quant.skip),
-            "compute_dtype": _TORCH_DTYPES[quant.compute_dtype]}
+            "compute_dtype": TORCH_DTYPE_NAMES[quant.compute_dtype]}
 
 
 def _same(value: Any) -> Any:
@@ -134,9 +182,6 @@ def quantize_profile(profile_path: str | Path, overrides: list[str] | tuple[str,
 
 def _compute_dtype(profile) -> str:
     """quant.compute_dtype as a torch dtype name; auto is resolved for where the profile runs, as train does."""
-    name = profile.quant.compute_dtype
-    if name == "auto":
-        from orbitctl.model.prepare import compute_dtype_name
+    from orbitctl.model.cpu_dtype import compute_dtype_name
 
-        name = compute_dtype_name(profile)
-    return _TORCH_DTYPES[name]
+    return TORCH_DTYPE_NAMES[compute_dtype_name(profile)]

@@ -21,13 +21,14 @@ from typing import Callable
 
 from orbitctl.errors import UserError
 from orbitctl.quant import manifest as mf
-from orbitctl.quant.formats import FORMATS, INT4_GROUPS, FormatSpec, dequantize_weight, quantize_weight, stored_specs, unsupported_reason
-from orbitctl.quant.output import finish_output, prepare_output
-from orbitctl.quant.qconfig import check_int4_config
+from orbitctl.codec.formats import FORMATS, INT4_GROUPS, FormatSpec, dequantize_weight, quantize_weight, stored_specs, unsupported_reason
+from orbitctl.quant.outdir import finish_output, prepare_output
+from orbitctl.codec.qconfig import check_int4_config
 from orbitctl.quant.report import tensor_stats
-from orbitctl.quant.safetensors_io import DTYPE_NAMES, ShardWriter, header_reserve
-from orbitctl.quant.source import Checkpoint, open_checkpoint
-from orbitctl.quant.targets import module_kind, quant_decision
+from orbitctl.codec.safetensors_io import DTYPE_NAMES, ShardWriter, header_reserve
+from orbitctl.codec.source import Checkpoint, open_checkpoint
+from orbitctl.codec.targets import module_kind, quant_decision
+from orbitctl.rundir import atomic_file
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1000**3
 ProgressFn = Callable[[int, int], None]
@@ -273,24 +274,23 @@ def write_shard(ckpt: Checkpoint, out: Path, shard: dict, opts: ConvertOptions, 
     """
     specs = [s for n in shard["tensors"] for s in planned_outputs(ckpt, n, opts, passthrough, moe)]
     final = out / shard["file"]
-    tmp = out / (shard["file"] + mf.PARTIAL_SUFFIX)
-    writer = ShardWriter(tmp, header_reserve(specs))
     quantized, kept, names, read_bytes = [], [], [], 0
-    try:
-        for stored, row, source_bytes in _converted(ckpt, shard["tensors"], opts, passthrough, moe):
-            for key, value in stored.items():
-                writer.add(key, value)
-                names.append(key)
-            (quantized if "rel_fro_error" in row else kept).append(row)
-            del stored
-            read_bytes += source_bytes
-            on_bytes(read_bytes)
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    sha256 = mf.sha256_file(tmp)
-    os.replace(tmp, final)
+    with atomic_file(final, fsync=False) as tmp:  # the writer fsyncs what it writes
+        writer = ShardWriter(tmp, header_reserve(specs))
+        try:
+            for stored, row, source_bytes in _converted(ckpt, shard["tensors"], opts, passthrough, moe):
+                for key, value in stored.items():
+                    writer.add(key, value)
+                    names.append(key)
+                (quantized if "rel_fro_error" in row else kept).append(row)
+                del stored
+                read_bytes += source_bytes
+                on_bytes(read_bytes)
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        sha256 = mf.sha256_file(tmp)
     return {"shard": shard["file"], "sha256": sha256, "bytes": final.stat().st_size,
             "tensors": sorted(names), "quantized": quantized, "kept": kept}
 
@@ -311,7 +311,7 @@ def _converted(ckpt: Checkpoint, names: list[str], opts: ConvertOptions, passthr
 
 def convert_tensor(ckpt: Checkpoint, name: str, opts: ConvertOptions, passthrough: bool, moe: bool) -> tuple[dict, dict, int]:
     """Read one source tensor and return what it is stored as, with its report row."""
-    from orbitctl.quant.safetensors_io import read_tensor
+    from orbitctl.codec.safetensors_io import read_tensor
 
     entry = ckpt.entries[name]
     if passthrough:

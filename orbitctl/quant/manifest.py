@@ -16,12 +16,12 @@ import os
 from pathlib import Path
 
 from orbitctl.errors import CheckFailed, InputFileError
+from orbitctl.rundir import jsonl_records, read_json_or_none
 
 PLAN_NAME = ".orbitctl-quantize-plan.json"
 PROGRESS_NAME = ".orbitctl-quantize-progress.jsonl"
 MANIFEST_NAME = "quant_manifest.json"
 REPORT_NAME = "quant_report.json"
-PARTIAL_SUFFIX = ".partial"
 MANIFEST_VERSION = 1
 
 
@@ -33,17 +33,6 @@ def sha256_file(path: Path, chunk: int = 16 * 1024 * 1024) -> str:
         while n := f.readinto(buf):
             h.update(view[:n])
     return h.hexdigest()
-
-
-def write_json_atomic(path: Path, document: dict) -> None:
-    """Write to a temporary name, fsync, rename: a reader never sees half a file."""
-    tmp = path.with_name(path.name + PARTIAL_SUFFIX)
-    with tmp.open("w") as f:
-        json.dump(document, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def append_progress(out: Path, record: dict) -> None:
@@ -59,28 +48,16 @@ def read_progress(out: Path) -> dict[str, dict]:
     done: dict[str, dict] = {}
     if not path.exists():
         return done
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        done[record["shard"]] = record
+    for line in jsonl_records(path):
+        if isinstance(line.record, dict):
+            done[line.record["shard"]] = line.record
     return done
-
-
-def read_json(path: Path) -> dict | None:
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None
 
 
 def verify_output(out: str | Path) -> dict:
     """Re-hash every file the manifest lists; raise CheckFailed (exit 1) on any mismatch."""
     out = Path(out)
-    manifest = read_json(out / MANIFEST_NAME)
+    manifest = read_json_or_none(out / MANIFEST_NAME)
     if manifest is None:
         if (out / PLAN_NAME).exists():
             raise InputFileError(f"{out}: conversion did not finish (no {MANIFEST_NAME})", fix="rerun the same orbitctl quantize command to resume it")

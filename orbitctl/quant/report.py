@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
+from pathlib import Path
 
 SUMMARY_KINDS = ("attention", "mlp", "shared_experts", "experts", "lm_head")
 STATS_CHUNK = 1 << 17
@@ -75,7 +76,7 @@ def summarize(quantized: list[dict], kept: list[dict]) -> dict:
             "tensors": k["tensors"], "params": k["params"], "bytes_in": k["bytes_in"], "bytes_out": k["bytes_out"],
             "rel_fro_error": _rel(k["err_sq"], k["ref_sq"]), "sqnr_db": _sqnr(k["err_sq"], k["ref_sq"]),
             "max_abs_error": k["max_abs_error"], "worst_rel_fro_error": k["worst_rel_fro_error"], "worst_tensor": k["worst_tensor"],
-            "bits_per_weight": 8.0 * k["bytes_out"] / k["params"] if k["params"] else 0.0,
+            "bits_per_weight": _bits_per_weight(k) or 0.0,
         }
     kept_kinds: dict[str, dict] = {}
     for t in kept:
@@ -83,7 +84,14 @@ def summarize(quantized: list[dict], kept: list[dict]) -> dict:
         k["tensors"] += 1
         k["params"] += t["params"]
         k["bytes_out"] += t["bytes_out"]
+    for k in kept_kinds.values():
+        k["bits_per_weight"] = _bits_per_weight(k)
     return {"quantized": out, "kept": dict(sorted(kept_kinds.items()))}
+
+
+def _bits_per_weight(kind: dict) -> float | None:
+    """Stored bits per parameter of a module kind (None for a kind without parameters)."""
+    return 8.0 * kind["bytes_out"] / kind["params"] if kind["params"] else None
 
 
 def build_report(*, source: str, spec: dict, quantized: list[dict], kept: list[dict],
@@ -130,8 +138,8 @@ def compare_next_token(src: str, out: str, num_prompts: int, *, seq_len: int = 1
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from orbitctl.align.metrics import js_divergence, logsoftmax_l1, topk_agreement
-    from orbitctl.model.base import load_frozen_base
+    from orbitctl.distances import js_divergence, logsoftmax_l1, topk_agreement
+    from orbitctl.model.frozen_base import load_frozen_base
 
     hf_logging.disable_progress_bar()  # stderr belongs to orbitctl's own progress bar
     original = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, device_map="cpu").eval()
@@ -154,3 +162,22 @@ def compare_next_token(src: str, out: str, num_prompts: int, *, seq_len: int = 1
         "js_mean": float(js_all.mean()), "js_max": float(js_all.max()),
         "top1_agreement": float(top_all.mean()), "logsoftmax_l1_mean": float(l1_all.mean()),
     }
+
+
+def quant_summary(quantized_dir: Path) -> str | None:
+    """One line from the converter's quant_report.json: what the frozen base costs in bits and error."""
+    from orbitctl.quant.manifest import REPORT_NAME
+    from orbitctl.rundir import read_json_or_none
+
+    report_file = Path(quantized_dir) / REPORT_NAME
+    report = read_json_or_none(report_file)
+    if not isinstance(report, dict):
+        return None
+    kinds = report.get("summary", {}).get("quantized", {})
+    params = sum(k.get("params", 0) for k in kinds.values()) or 1
+    rel = sum(k.get("rel_fro_error", 0.0) * k.get("params", 0) for k in kinds.values()) / params
+    fmt = report.get("format")
+    fmt = fmt.get("format") if isinstance(fmt, dict) else fmt
+    return (f"{fmt}: {report.get('quantized_params', 0):,} weights quantized, "
+            f"{report.get('bits_per_weight_quantized', 0):.2f} bits/weight, relative error {rel:.3f} "
+            f"({report_file})")

@@ -38,6 +38,8 @@ import zipfile
 from pathlib import Path
 
 from orbitctl.errors import InputFileError, UserError
+from orbitctl.rundir import RunDir, atomic_write_json, fsync_tree
+from orbitctl.units import short_dtype
 
 DEEPSPEED_SAFE_GLOBALS = (
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
@@ -49,36 +51,6 @@ globals of checkpoints this trainer wrote (ZeRO 0, 1, 2 and 3); plain data class
 enum, so the weights-only unpickler can build them and still nothing else."""
 
 _FIX = "delete that checkpoint directory to resume from an older one, or rerun with --fresh"
-
-
-def checkpoint_root(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    root = checkpoint_root(run_dir)
-    found = []
-    if root.exists():
-        for path in root.iterdir():
-            if path.name.startswith("step-") and (path / "COMPLETE").exists():
-                try:
-                    found.append((int(path.name[5:]), path))
-                except ValueError:
-                    continue
-    return sorted(found)
-
-
-def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
-    found = complete_checkpoints(run_dir)
-    return found[-1] if found else None
-
-
-def remove_partial(run_dir: Path) -> None:
-    root = checkpoint_root(run_dir)
-    if root.exists():
-        for path in root.iterdir():
-            if path.name.startswith(".tmp-") or (path.name.startswith("step-") and not (path / "COMPLETE").exists()):
-                shutil.rmtree(path, ignore_errors=True)
 
 
 def rng_file(path: Path, rank: int) -> Path:
@@ -207,8 +179,8 @@ def save_checkpoint(run_dir: Path, step: int, engine, policy, generator, trainer
 
     from orbitctl.model.adapters import save_adapter
 
-    root = checkpoint_root(run_dir)
-    tmp, final = root / f".tmp-step-{step}", root / f"step-{step}"
+    run = RunDir(run_dir)
+    tmp, final = run.partial_checkpoint(step), run.checkpoint(step)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -217,17 +189,17 @@ def save_checkpoint(run_dir: Path, step: int, engine, policy, generator, trainer
                            exclude_frozen_parameters=True)
     save_rng(rng_file(tmp, rank), generator)
     if rank == 0:
-        save_adapter(policy.model, tmp / "adapter", policy.adapter_kind, policy.hidden_size)
+        save_adapter(policy.model, tmp / RunDir.ADAPTER, policy.adapter_kind, policy.hidden_size)
         recorded = {**trainer_state, **run_dtypes(engine), "torch_threads": torch.get_num_threads()}
-        (tmp / "trainer.json").write_text(json.dumps(recorded, indent=2) + "\n")
+        atomic_write_json(tmp / RunDir.TRAINER_STATE, recorded, fsync=False)
     dist.barrier()
     if rank == 0:
-        _fsync_tree(tmp)
-        (tmp / "COMPLETE").write_text(f"{step}\n")
+        fsync_tree(tmp)
+        (tmp / RunDir.COMPLETE).write_text(f"{step}\n")
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        for _, old in complete_checkpoints(run_dir)[:-keep_last]:
+        for _, old in run.complete_checkpoints()[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
@@ -235,18 +207,10 @@ def save_checkpoint(run_dir: Path, step: int, engine, policy, generator, trainer
 
 def run_dtypes(engine) -> dict:
     """The adapter's dtype and the base's compute dtype (its input embeddings), as profile names."""
-    names = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
     module = engine.module
     adapter = next((p.dtype for p in module.parameters() if p.requires_grad), None)
     compute = module.get_input_embeddings().weight.dtype
-    return {"adapter_dtype": names.get(str(adapter), str(adapter)), "compute_dtype": names.get(str(compute), str(compute))}
-
-
-def _fsync_tree(path: Path) -> None:
-    for file in path.rglob("*"):
-        if file.is_file():
-            with open(file, "rb") as handle:
-                os.fsync(handle.fileno())
+    return {"adapter_dtype": short_dtype(adapter), "compute_dtype": short_dtype(compute)}
 
 
 def load_checkpoint(path: Path, engine, generator, rank: int) -> dict:
@@ -254,7 +218,7 @@ def load_checkpoint(path: Path, engine, generator, rank: int) -> dict:
 
     Every file is checked before DeepSpeed unpickles anything; a bad one is an InputFileError."""
     path = Path(path)
-    trainer_file = path / "trainer.json"
+    trainer_file = path / RunDir.TRAINER_STATE
     try:
         state = json.loads(trainer_file.read_text())
         if not isinstance(state, dict) or not isinstance(state.get("step"), int) or not isinstance(state.get("cursor"), int):
@@ -289,7 +253,7 @@ def load_checkpoint(path: Path, engine, generator, rank: int) -> dict:
 def _continue_on_threads(threads) -> None:
     """Run on the thread count the run had: some CPU kernels split their work, and round, by it
     (MKL's fp32 GEMM for a 100-token lm_head: 4 threads and 1 end a few steps later up to 7.5e-9
-    apart), so another count is not bit-exact. :func:`orbitctl.rl.trainer.train` puts the caller's
+    apart), so another count is not bit-exact. :func:`orbitctl.rl.api.train` puts the caller's
     count back when it returns."""
     import torch
 

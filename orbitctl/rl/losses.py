@@ -81,13 +81,6 @@ def k3(logp, other_logp):
     return torch.exp(d) - d - 1.0
 
 
-def entropy(logdist):
-    """Per-token entropy of a log-distribution, nats."""
-    import torch
-
-    return -(torch.exp(logdist) * logdist).sum(-1)
-
-
 def masked_mean(values, mask):
     return (values * mask).sum() / mask.sum().clamp(min=1)
 

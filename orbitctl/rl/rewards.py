@@ -18,7 +18,7 @@ from fractions import Fraction
 from typing import Callable
 
 from orbitctl.errors import UserError
-from orbitctl.rl.tasks import BuiltinTask, PromptItem
+from orbitctl.data.tasks import BuiltinTask, PromptItem
 
 RewardFn = Callable[[list[str], list[PromptItem]], list[float]]
 

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from orbitctl.rl.tasks import PromptItem
+from orbitctl.data.tasks import PromptItem
 
 if TYPE_CHECKING:
     import torch

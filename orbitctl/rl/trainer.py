@@ -1,8 +1,6 @@
 """The training loop behind ``orbitctl train``: rollout -> reward -> advantage -> update.
 
-    from orbitctl.profile import load_profile
-    from orbitctl.rl.trainer import train
-    result = train(load_profile("profiles/tiny-cpu.yaml"))
+The entry point is :func:`orbitctl.rl.api.train`; :func:`run_loop` is the loop on one rank.
 
 Nothing assumes a single rank: prompts are sharded by rank, statistics are all-reduced, and
 only rank 0 writes files. The same call on an existing run directory resumes from its newest
@@ -11,14 +9,12 @@ complete checkpoint; ``fresh=True`` starts over.
 
 from __future__ import annotations
 
-import json
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Callable
 
 from orbitctl.errors import RunFailed, UserError
+from orbitctl.rundir import RunDir, atomic_dir, atomic_write_json, atomic_write_text
 
 EventFn = Callable[[str, dict], None]
 FULL_DIST_BUDGET_BYTES = 256 * 2**20
@@ -58,30 +54,28 @@ def _accumulation(profile, world: int) -> int:
     return per_rank // rl.minibatches // micro
 
 
-def _prepare_run_dir(run_dir: Path, profile, fresh: bool, rank: int) -> None:
+def _prepare_run_dir(run: RunDir, profile, fresh: bool, rank: int) -> None:
     import torch.distributed as dist
 
     if rank == 0:
-        if fresh and run_dir.exists():
-            for name in ("checkpoints", "adapter", "metrics.jsonl", "summary.json", "profile.yaml"):
-                target = run_dir / name
-                shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
-        run_dir.mkdir(parents=True, exist_ok=True)
+        if fresh and run.root.exists():
+            run.clear()
+        run.root.mkdir(parents=True, exist_ok=True)
         import yaml
 
-        tmp = run_dir / ".profile.yaml.tmp"
-        tmp.write_text(yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False))
-        tmp.replace(run_dir / "profile.yaml")
-        from orbitctl.rl.checkpoint import remove_partial
-
-        remove_partial(run_dir)
+        atomic_write_text(run.profile, yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False), fsync=False)
+        run.remove_partial()
     dist.barrier()
 
 
-def _write_json(path: Path, document: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(document, indent=2) + "\n")
-    tmp.replace(path)
+def accumulation_warnings(derived: int, profile) -> list[str]:
+    """The warning when the accumulation train derives differs from what `orbitctl plan` assumed."""
+    planned = profile.memory.gradient_accumulation_steps
+    if derived == planned:
+        return []
+    return [f"gradient accumulation is {derived} micro-batches per optimizer step, derived from "
+            f"rl.prompts_per_step x rl.group_size / rl.minibatches / ranks / memory.micro_batch_size; "
+            f"memory.gradient_accumulation_steps={planned} is what `orbitctl plan` assumes"]
 
 
 class _Evaluator:
@@ -105,56 +99,39 @@ class _Evaluator:
                 "eval_reward": _all_reduce_sum(out["reward_sum"]) / total, "eval_prompts": int(total)}
 
 
-def train(profile, *, fresh: bool = False, steps: int | None = None, on_event: EventFn | None = None) -> TrainResult:
-    """Run (or resume) the profile's RL training; returns what it did. Raises RunFailed on a failed run."""
-    import torch
-
-    from orbitctl.profile.support import TRAIN, refuse_unsupported
-    from orbitctl.rl.engine import close_process_group, ensure_process_group
-
-    refuse_unsupported(profile, TRAIN)  # a value only plan models: exit 2 before anything is built
-    if steps is not None:
-        profile = profile.model_copy(update={"rl": profile.rl.model_copy(update={"steps": steps})})
-    rank, world = ensure_process_group()
-    emit = on_event if on_event is not None and rank == 0 else (lambda kind, payload: None)
-    threads = torch.get_num_threads()
-    try:
-        return _train(profile, fresh, emit, rank, world, torch)
-    finally:
-        if torch.get_num_threads() != threads:  # a resume runs on the run's own thread count
-            torch.set_num_threads(threads)
-        close_process_group()
-
-
-def _train(profile, fresh, emit, rank, world, torch) -> TrainResult:
-    from orbitctl.model.prepare import load_policy, prepare_frozen_base, quant_summary
+def run_loop(profile, fresh, emit, rank, world, torch) -> TrainResult:
+    """The loop itself, on one rank of an initialised process group (:func:`orbitctl.rl.api.train` sets it up)."""
+    from orbitctl.builder import load_policy, prepare_frozen_base
+    from orbitctl.quant.report import quant_summary
     from orbitctl.rl import checkpoint as ckpt
-    from orbitctl.rl.data import PromptStream, load_prompts
+    from orbitctl.data.prompts import PromptStream, load_prompts
     from orbitctl.rl.engine import build_engine
-    from orbitctl.rl.metrics import HealthMonitor, MetricsLog
+    from orbitctl.rl.runlog import HealthMonitor, MetricsLog
     from orbitctl.rl.losses import group_advantages
     from orbitctl.rl.rewards import make_reward
     from orbitctl.rl.rollout import collect
     from orbitctl.rl.update import run_update
 
     wall_start = time.perf_counter()
-    run_dir = Path(profile.run_dir)
+    run = RunDir(profile.run_dir)
+    run_dir = run.root
     split = load_prompts(profile.data, profile.run.seed)  # bad data fails here, before any work
     reward_fn = make_reward(profile.data.reward, split.task)
     gas = _accumulation(profile, world)
-    _prepare_run_dir(run_dir, profile, fresh, rank)
+    _prepare_run_dir(run, profile, fresh, rank)
 
     torch.manual_seed(profile.run.seed)
     # rank 0 builds or quantizes what is missing; the others then find it in the cache
     if rank == 0:
-        base = prepare_frozen_base(profile, split.task)
+        base = prepare_frozen_base(profile, split.warm_task)
     torch.distributed.barrier()
     if rank != 0:
-        base = prepare_frozen_base(profile, split.task)
+        base = prepare_frozen_base(profile, split.warm_task)
     policy = load_policy(profile, base)
     emit("setup", {"adapter": policy.report.summary(), "base": str(base.quantized_dir), "built": base.built,
                    "quant": quant_summary(base.quantized_dir),
                    "accumulation": {"derived": gas, "profile": profile.memory.gradient_accumulation_steps},
+                   "warnings": accumulation_warnings(gas, profile),
                    "run_dir": str(run_dir), "rank": rank, "world_size": world, **base.notes})
     rl = profile.rl
     optimizer_steps_per_rollout = rl.ppo_epochs * rl.minibatches
@@ -163,12 +140,12 @@ def _train(profile, fresh, emit, rank, world, torch) -> TrainResult:
     stream = PromptStream(split.train, profile.run.seed, rank, world)
     max_new = profile.rollout.max_new_tokens
     evaluator = _Evaluator(policy, split.eval, reward_fn, profile, max_new, rank, world)
-    metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0)
-    summary_path = run_dir / "summary.json"
+    metrics = MetricsLog(run.metrics, enabled=rank == 0)
+    summary_path = run.summary
 
     step, resumed_from, nonfinite_streak, nonfinite_total = 0, None, 0, 0
     eval_before = None
-    latest = None if fresh else ckpt.latest_checkpoint(run_dir)
+    latest = None if fresh else run.latest_checkpoint()
     if latest is not None:
         state = ckpt.load_checkpoint(latest[1], engine, generator, rank)
         step, resumed_from = state["step"], state["step"]
@@ -183,7 +160,7 @@ def _train(profile, fresh, emit, rank, world, torch) -> TrainResult:
         eval_before = first["eval_accuracy"] if first else None
         emit("eval", {"step": 0, **(first or {})})
     if rank == 0:
-        _write_json(summary_path, {"eval_before": eval_before, "status": "running", "step": step})
+        atomic_write_json(summary_path, {"eval_before": eval_before, "status": "running", "step": step})
 
     health = HealthMonitor(_memory_limit(profile))
     last: dict = {}
@@ -226,8 +203,8 @@ def _train(profile, fresh, emit, rank, world, torch) -> TrainResult:
             emit("step", record)
             if nonfinite_streak >= rl.max_nonfinite_steps:
                 if rank == 0:
-                    _write_json(summary_path, {"eval_before": eval_before, "status": "failed", "step": step})
-                good = ckpt.latest_checkpoint(run_dir)
+                    atomic_write_json(summary_path, {"eval_before": eval_before, "status": "failed", "step": step})
+                good = run.latest_checkpoint()
                 raise RunFailed(
                     f"{nonfinite_streak} optimizer steps in a row had a non-finite loss or gradient (step {step}); "
                     f"updates were skipped and training stopped",
@@ -239,21 +216,18 @@ def _train(profile, fresh, emit, rank, world, torch) -> TrainResult:
             ckpt.save_checkpoint(run_dir, step, engine, policy, generator,
                                  {"step": step, "cursor": stream.cursor, "nonfinite_total": nonfinite_total,
                                   "eval_before": eval_before}, rank, profile.run.keep_last)
-    adapter_dir = run_dir / "adapter"
+    adapter_dir = run.adapter
     if rank == 0:
         from orbitctl.model.adapters import save_adapter
 
-        tmp = run_dir / ".adapter.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_adapter(policy.model, tmp, policy.adapter_kind, policy.hidden_size)
-        shutil.rmtree(adapter_dir, ignore_errors=True)
-        tmp.replace(adapter_dir)
+        atomic_dir(adapter_dir, lambda tmp: save_adapter(policy.model, tmp, policy.adapter_kind, policy.hidden_size),
+                   replace=True)
     eval_after = last.get("eval_accuracy") if last else _final_eval(evaluator)
     result = TrainResult(str(run_dir), step, resumed_from, eval_before, eval_after,
                          time.perf_counter() - wall_start, str(adapter_dir), policy.report.summary(),
                          nonfinite_total, last, rank)
     if rank == 0:
-        _write_json(summary_path, {**result.to_dict(), "status": "finished"})
+        atomic_write_json(summary_path, {**result.to_dict(), "status": "finished"})
     return result
 
 
@@ -288,7 +262,7 @@ def _rollout_stats(batch) -> dict:
 
 
 def _record(step, batch, rollout_stats, upd, first_of_rollout, lr, samples_seen) -> dict:
-    from orbitctl.rl.metrics import peak_memory_bytes
+    from orbitctl.rl.runlog import peak_memory_bytes
 
     stats = upd["stats"].means()
     rollout_s = batch.rollout_s if first_of_rollout else 0.0

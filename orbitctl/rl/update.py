@@ -11,7 +11,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from orbitctl.rl.losses import entropy, is_correction, k3, kl_full, mismatch_stats, ppo_clip_terms
+from orbitctl.distances import entropy
+from orbitctl.rl.losses import is_correction, k3, kl_full, mismatch_stats, ppo_clip_terms
 
 
 @dataclass

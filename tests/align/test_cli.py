@@ -13,7 +13,7 @@ from orbitctl.cli.app import app, main
 
 
 def test_flags_reach_the_library(monkeypatch, tmp_path, align_profile):
-    import orbitctl.align.verify as verify
+    import orbitctl.align.api as verify
 
     seen = {}
 

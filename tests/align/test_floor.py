@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from orbitctl.align.floor import KernelFloor, clear_of_floor, dtype_bound, dtype_eps, floor_from_table
-from orbitctl.align.internal import LayerError, first_jump
+from orbitctl.align.selfcheck import LayerError, first_jump
 from orbitctl.align.metrics import token_metrics
 from orbitctl.align.tokens import TokenTable
 
@@ -63,12 +63,13 @@ def test_a_jump_must_stand_clear_of_the_layer_floor():
 def test_forced_decoding_replays_the_samplers_own_tokens(align_profile):
     """Teacher-forcing a sampler's tokens through the same model and batch gives its logits back:
     the same kernels on the same shapes, so equal by construction on any machine."""
-    from orbitctl.model.prepare import load_policy, prepare_frozen_base
-    from orbitctl.rl.data import load_prompts
+    from orbitctl.builder import load_policy, prepare_frozen_base
+    from orbitctl.data.prompts import load_prompts
 
     _, profile = align_profile()
-    policy = load_policy(profile, prepare_frozen_base(profile))
-    prompts = [item.prompt for item in load_prompts(profile.data, 0).eval[:6]]
+    split = load_prompts(profile.data, 0)
+    policy = load_policy(profile, prepare_frozen_base(profile, split.warm_task))
+    prompts = [item.prompt for item in split.eval[:6]]
     ids, mask = policy.encode_prompts(prompts)
     samples = policy.sample(ids, mask, max_new_tokens=4, temperature=1.0, top_p=1.0,
                             generator=torch.Generator().manual_seed(3), keep_logits=True)

@@ -248,7 +248,7 @@ def test_missing_and_empty_files(tmp_path):
 
 
 def test_readers_do_not_import_torch_at_module_level():
-    code = ("import sys, orbitctl.align.rollouts, orbitctl.align.dumps, orbitctl.align.runlog; "
+    code = ("import sys, orbitctl.align.rollouts, orbitctl.align.dumps, orbitctl.align.trends; "
             "print(sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from orbitctl.align.floor import FLOOR_MARGIN, dtype_bound
-from orbitctl.align.internal import JUMP_FLOOR, Perturbation
-from orbitctl.align.verify import verify_alignment
+from orbitctl.align.selfcheck import JUMP_FLOOR, Perturbation
+from orbitctl.align.api import verify_alignment
 
 DETECTION = {"js": 50.0, "kl_train_infer": 50.0, "k3": 5.0, "logsoftmax_l1": 3.0}
 """How many times above the floor measured beside it a planted difference must stand, per metric."""
@@ -101,11 +101,12 @@ def test_serving_fp4_against_an_nf4_trainer_is_detected(align_profile):
 
 def _engine_rollouts(profile, path, shape: str, temperature: float = 1.0, n: int = 8) -> None:
     """Write the tiny policy's own infer-path samples as an engine would return them (top-5 logprobs)."""
-    from orbitctl.model.prepare import load_policy, prepare_frozen_base
-    from orbitctl.rl.data import load_prompts
+    from orbitctl.builder import load_policy, prepare_frozen_base
+    from orbitctl.data.prompts import load_prompts
 
-    policy = load_policy(profile, prepare_frozen_base(profile))
-    prompts = [item.prompt for item in load_prompts(profile.data, 0).eval[:n]]
+    split = load_prompts(profile.data, 0)
+    policy = load_policy(profile, prepare_frozen_base(profile, split.warm_task))
+    prompts = [item.prompt for item in split.eval[:n]]
     ids, mask = policy.encode_prompts(prompts)
     samples = policy.sample(ids, mask, max_new_tokens=4, temperature=1.0, top_p=1.0,
                             generator=torch.Generator().manual_seed(1), keep_logits=True)
@@ -167,7 +168,7 @@ def test_engine_rollouts_at_another_temperature_fail(align_profile, tmp_path):
 
 
 def test_trained_adapter_is_loaded_on_both_paths(align_profile, tmp_path):
-    from orbitctl.rl.trainer import train
+    from orbitctl.rl.api import train
 
     overrides = {"rl.steps": 2, "rl.prompts_per_step": 4, "rl.group_size": 4, "memory.micro_batch_size": 16,
                  "rollout.batch_size": 16, "data.eval_size": 8, "run.eval_every": 100, "run.save_every": 100}

@@ -1,3 +1,5 @@
+"""Fixtures shared by the doctor tests: the saved snapshots and logs under fixtures/."""
+
 from pathlib import Path
 
 import pytest

@@ -151,3 +151,37 @@ def test_no_gpu_machine_warns_instead_of_failing_on_nccl_settings():
     snap.env["NCCL_SOCKET_IFNAME"] = "eth9"
     found = statuses(run_checks(snap))
     assert found["net.port"] == WARN and found["nccl.env"] == WARN
+
+
+def test_one_gpu_skips_the_pair_checks_with_their_own_line():
+    snap = _healthy()
+    snap.nvml.gpus, snap.nvml.pairs = snap.nvml.gpus[:1], []
+    found = {f.id: f for f in run_checks(snap)}
+    assert (found["topo.p2p"].status, found["topo.p2p"].evidence) == (SKIP, ["one GPU: no pairs"])
+    assert (found["topo.acs"].status, found["topo.acs"].evidence) == (SKIP, ["one GPU: no P2P path"])
+    assert found["pcie.width"].status == PASS  # one GPU is enough for the other GPU checks
+
+
+def test_the_registry_answers_for_every_gpu_check_without_gpus():
+    from orbitctl.doctor.registry import REGISTRY, no_gpu_outcome
+
+    snap = load_snapshot(SNAPSHOTS / "no_gpu.json")
+    expected = no_gpu_outcome(snap)
+    found = {f.id: f for f in run_checks(snap)}
+    guarded = [c.id for c in REGISTRY if c.min_gpus and c.when == "always"]
+    assert len(guarded) >= 20
+    for check_id in guarded:
+        assert (found[check_id].status, found[check_id].evidence, found[check_id].fix) == \
+            (expected.status, expected.evidence, expected.fix), check_id
+
+
+def test_a_finding_needs_a_known_area_and_reports_show_areas_log_first():
+    from orbitctl.doctor import Finding, Report
+    from orbitctl.doctor.findings import AREAS
+
+    with pytest.raises(ValueError, match="unknown area"):
+        Finding("x.y", "network", PASS, "title")
+    report = Report(findings=[Finding(f"{area}.x", area, PASS, "t") for area in reversed(AREAS)])
+    assert [area for area, _ in report.by_area()] == list(AREAS) and AREAS[0] == "log"
+    report.findings[0].area = "elsewhere"  # changed after construction: shown last, never dropped
+    assert report.by_area()[-1] == ("elsewhere", [report.findings[0]])

@@ -5,9 +5,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-import orbitctl.doctor as doctor_lib
 from orbitctl.cli.app import app, main
-from orbitctl.doctor import Report
+from orbitctl.doctor import Report, api
 
 FIX = Path(__file__).parent / "fixtures"
 runner = CliRunner()
@@ -20,7 +19,7 @@ def test_cli_passes_flags_to_one_library_call(monkeypatch):
         seen.update(kwargs)
         return Report()
 
-    monkeypatch.setattr(doctor_lib, "diagnose", fake_diagnose)
+    monkeypatch.setattr(api, "diagnose", fake_diagnose)
     result = runner.invoke(app, ["doctor", "--log", "run.log", "--profile", "p.yaml", "--set", "memory.seq_len=2048",
                                  "--snapshot", "s.json", "--save-snapshot", "o.json", "--expect-gpus", "8", "--active",
                                  "--machine", "--json"])
@@ -97,10 +96,10 @@ def test_docs_list_every_check_and_signature():
 
 
 def test_huge_log_keeps_its_end(tmp_path, monkeypatch):
-    monkeypatch.setattr(doctor_lib, "MAX_LOG_BYTES", 4096)
+    monkeypatch.setattr(api, "MAX_LOG_BYTES", 4096)
     log = tmp_path / "big.log"
     log.write_text("step ok\n" * 5000 + "RuntimeError: Error 802: system not yet initialized\n")
-    text = doctor_lib.read_log(str(log))
+    text = api.read_log(str(log))
     assert len(text) <= 4096 + 1 and text.startswith("step ok") and "system not yet initialized" in text
 
 

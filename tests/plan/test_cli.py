@@ -73,9 +73,9 @@ def test_cli_is_thin(monkeypatch):
         calls.append((path, overrides, kwargs))
         return Fake()
 
-    import orbitctl.plan
+    from orbitctl.plan import api
 
-    monkeypatch.setattr(orbitctl.plan, "run_plan", fake_run_plan)
+    monkeypatch.setattr(api, "run_plan", fake_run_plan)
     result = runner.invoke(app, ["plan", "x.yaml", "--set", "memory.seq_len=8", "--sweep", "memory.micro_batch_size=1,2",
                                  "--json"])
     assert result.exit_code == 0, result.output

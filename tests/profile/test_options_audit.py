@@ -27,7 +27,7 @@ def _run(capsys, *args) -> tuple[int, str]:
 @pytest.fixture
 def trainer_calls(monkeypatch):
     """Calls that reached the trainer (none may, when the profile is refused)."""
-    import orbitctl.rl.trainer as trainer
+    import orbitctl.rl.api as trainer
 
     calls = []
 
@@ -184,7 +184,7 @@ def test_doctor_set_needs_profile_and_no_machine_needs_log(capsys, one_error_lin
 
 
 def test_doctor_machine_flags_with_a_log_check_the_machine(monkeypatch, tmp_path):
-    import orbitctl.doctor as doctor_lib
+    from orbitctl.doctor import api as doctor_lib
 
     class Probed(Exception):
         pass
@@ -204,7 +204,7 @@ def test_doctor_machine_flags_with_a_log_check_the_machine(monkeypatch, tmp_path
 
 @pytest.fixture
 def verify_calls(monkeypatch):
-    import orbitctl.align.verify as verify
+    import orbitctl.align.api as verify
 
     calls = []
     monkeypatch.setattr(verify, "verify_alignment", lambda profile, **kw: calls.append(kw) or (_ for _ in ()).throw(SystemExit(0)))

@@ -37,9 +37,11 @@ def test_validate_reports_every_file(tmp_path, capsys):
     assert results[1]["problems"] == ["run.seed: must be greater than or equal to 0 (got -1)"]
 
 
-def test_show_passes_path_and_overrides_to_the_loader():
+def test_show_passes_path_and_overrides_to_the_library():
+    from orbitctl.profile import api
+
     runner = CliRunner()
-    with mock.patch("orbitctl.profile.load_profile", wraps=__import__("orbitctl.profile").profile.load_profile) as spy:
+    with mock.patch("orbitctl.profile.api.resolved_profile", wraps=api.resolved_profile) as spy:
         result = runner.invoke(app, ["profile", "show", TINY, "--set", "rl.lr=0.001", "--json"])
     assert result.exit_code == 0, result.output
     spy.assert_called_once_with(TINY, ["rl.lr=0.001"])

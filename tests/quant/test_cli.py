@@ -53,7 +53,7 @@ def test_profile_run_writes_quantized_path(tiny_models, tmp_path, capsys):
     assert "quantizing" not in captured.err  # no progress bar with --json
     assert set(doc["report"]["summary"]["quantized"]) == {"experts"}
 
-    from orbitctl.model.base import load_frozen_base_for_profile
+    from orbitctl.model.frozen_base import load_frozen_base_for_profile
     from orbitctl.profile.loader import load_profile
 
     model = load_frozen_base_for_profile(load_profile(profile))

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from orbitctl.quant.formats import (
+from orbitctl.codec.formats import (
     FormatSpec, dequantize_fp8_blocks, dequantize_int4, pack_int4, quantize_fp8_blocks, quantize_int4, unpack_int4,
 )
 
@@ -124,7 +124,7 @@ def test_describe_names_every_knob():
 def test_chunked_4bit_quantizer_is_bit_identical_on_many_chunks(threads, quant_type, dtype):
     import bitsandbytes.functional as bnbf
 
-    from orbitctl.quant.bnb4 import quantize_4bit
+    from orbitctl.codec.bnb4 import quantize_4bit
 
     w = (torch.randn(1100, 768, generator=torch.Generator().manual_seed(3)) * 0.03).to(dtype)  # 845k values: many chunks
     w[7, :128] = 0  # an all-zero block
@@ -146,7 +146,7 @@ def test_4bit_lookup_table_is_exact_at_and_beside_every_midpoint(quant_type):
     # into the neighbouring cell: on each midpoint and one float32 step either side of it
     import bitsandbytes.functional as bnbf
 
-    from orbitctl.quant.bnb4 import _codebook, quantize_4bit
+    from orbitctl.codec.bnb4 import _codebook, quantize_4bit
 
     midpoints = torch.tensor(_codebook(quant_type)[0], dtype=torch.float32)
     values = torch.cat([midpoints, torch.nextafter(midpoints, torch.tensor(2.0)),

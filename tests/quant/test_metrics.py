@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from orbitctl.align.metrics import entropy, js_divergence, kl_divergence, logsoftmax_l1, topk_agreement
+from orbitctl.distances import entropy, js_divergence, kl_divergence, logsoftmax_l1, topk_agreement
 
 
 def test_identical_distributions_are_at_distance_zero():

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from orbitctl.model.base import load_frozen_base
+from orbitctl.model.frozen_base import load_frozen_base
 
 
 def _train_forward(model, ids):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from orbitctl.model.quant_linear import QuantLinear
-from orbitctl.quant.formats import pack_int4, quantize_fp8_blocks, quantize_int4
+from orbitctl.codec.formats import pack_int4, quantize_fp8_blocks, quantize_int4
 
 
 def _layer(fmt: str, out_f: int = 96, in_f: int = 256) -> tuple[QuantLinear, torch.Tensor]:

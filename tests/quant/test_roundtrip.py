@@ -40,7 +40,7 @@ def test_bnb_output_loads_with_transformers_directly(tiny_models, quantized, qt,
 def test_orbitctl_loader_matches_dequantized_reference(tiny_models, quantized, qt, tmp_path, arch, fmt):
     from transformers import AutoModelForCausalLM
 
-    from orbitctl.model.base import load_frozen_base, model_memory_bytes
+    from orbitctl.model.frozen_base import load_frozen_base, model_memory_bytes
 
     out = quantized(arch, fmt)
     model = load_frozen_base(out)
@@ -57,7 +57,7 @@ def test_orbitctl_loader_matches_dequantized_reference(tiny_models, quantized, q
 
 
 def test_int4_experts_and_mla_are_quant_linear(quantized):
-    from orbitctl.model.base import load_frozen_base
+    from orbitctl.model.frozen_base import load_frozen_base
     from orbitctl.model.quant_linear import QuantExperts, QuantLinear
 
     model = load_frozen_base(quantized("deepseek_v3", "int4"))
@@ -125,7 +125,7 @@ def test_int4_and_fp8_outputs_load_with_transformers_own_quantizers(quantized, q
     """
     from transformers import AutoModelForCausalLM
 
-    from orbitctl.model.base import load_frozen_base
+    from orbitctl.model.frozen_base import load_frozen_base
 
     out = quantized(arch, fmt)
     theirs = AutoModelForCausalLM.from_pretrained(out, device_map="cpu")

@@ -7,7 +7,7 @@ import json
 import torch
 
 from orbitctl.quant.convert import quantize_checkpoint
-from orbitctl.quant.formats import dequantize_fp8_blocks
+from orbitctl.codec.formats import dequantize_fp8_blocks
 
 
 
@@ -42,7 +42,7 @@ def test_fp8_source_to_fp8_is_copied_not_requantized(quantized, qt, tmp_path):
 
 
 def test_int4_checkpoint_is_accepted_as_is(quantized, qt, tmp_path):
-    from orbitctl.model.base import load_frozen_base
+    from orbitctl.model.frozen_base import load_frozen_base
 
     shipped = quantized("deepseek_v3", "int4", modules="experts")  # the Kimi-K2-Thinking layout: experts only
     result = quantize_checkpoint(shipped, tmp_path / "taken", fmt="int4", group_size=64, max_shard_bytes=60_000)

@@ -2,7 +2,7 @@
 
 import json
 
-from orbitctl.model.prepare import quant_summary
+from orbitctl.quant.report import quant_summary
 
 
 def test_summary_reads_format_bits_and_error_from_the_report(quantized, tmp_path):

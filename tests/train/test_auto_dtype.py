@@ -16,11 +16,11 @@ def _fake_host(monkeypatch, verdict):
 
 
 def _base(profile):
-    from orbitctl.model.prepare import prepare_frozen_base
-    from orbitctl.rl.data import load_prompts
+    from orbitctl.builder import prepare_frozen_base
+    from orbitctl.data.prompts import load_prompts
 
     split = load_prompts(profile.data, profile.run.seed)
-    return prepare_frozen_base(profile, split.task), split
+    return prepare_frozen_base(profile, split.warm_task), split
 
 
 def _float_dtypes(model):
@@ -38,7 +38,8 @@ def test_the_demo_profile_asks_for_auto(small_profile):
 @pytest.mark.parametrize("verdict, expected", [(NATIVE, torch.bfloat16), (EMULATED, torch.float32)],
                          ids=["native-bf16", "no-native-bf16"])
 def test_policy_with_auto_computes_in_the_resolved_dtype(small_profile, monkeypatch, verdict, expected):
-    from orbitctl.model.prepare import compute_dtype_name, load_policy
+    from orbitctl.builder import load_policy
+    from orbitctl.model.cpu_dtype import compute_dtype_name
 
     profile = small_profile()
     base, split = _base(profile)  # one cached base: the load, not the build, applies the dtype
@@ -68,7 +69,7 @@ def test_policy_with_auto_computes_in_the_resolved_dtype(small_profile, monkeypa
 
 
 def test_fp32_adapters_train_through_deepspeed(small_profile, monkeypatch):
-    from orbitctl.model.prepare import load_policy
+    from orbitctl.builder import load_policy
     from orbitctl.rl.engine import build_engine, close_process_group, ensure_process_group
     from orbitctl.rl.losses import group_advantages
     from orbitctl.rl.rewards import make_reward

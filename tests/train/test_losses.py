@@ -6,7 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from orbitctl.rl.losses import entropy, group_advantages, is_correction, k3, kl_full, mismatch_stats, ppo_clip_terms
+from orbitctl.distances import entropy
+from orbitctl.rl.losses import group_advantages, is_correction, k3, kl_full, mismatch_stats, ppo_clip_terms
 
 
 def test_group_advantages_std_normalised_and_not():

@@ -22,11 +22,11 @@ def _one_kernel(model) -> bool:
 
 
 def _policy(profile):
-    from orbitctl.model.prepare import load_policy, prepare_frozen_base
-    from orbitctl.rl.data import load_prompts
+    from orbitctl.builder import load_policy, prepare_frozen_base
+    from orbitctl.data.prompts import load_prompts
 
     split = load_prompts(profile.data, profile.run.seed)
-    base = prepare_frozen_base(profile, split.task)
+    base = prepare_frozen_base(profile, split.warm_task)
     return load_policy(profile, base), base, split
 
 
@@ -77,7 +77,7 @@ def test_short_run_trains_every_adapter_parameter_and_nothing_else(small_profile
 
 
 def test_adapters_disabled_equal_the_base_model(small_profile):
-    from orbitctl.model.base import load_frozen_base
+    from orbitctl.model.frozen_base import load_frozen_base
 
     profile = small_profile()
     policy, base, split = _policy(profile)
@@ -109,7 +109,7 @@ def test_every_load_path_pins_one_bitsandbytes_kernel(small_profile, tmp_path):
     on one (load_lora, PEFT) all come out of load_frozen_base with bitsandbytes' repacking CPU kernel
     off, and an infer-path forward leaves every 4-bit weight unpacked."""
     from orbitctl.model.adapters import load_lora, save_adapter
-    from orbitctl.model.base import load_frozen_base
+    from orbitctl.model.frozen_base import load_frozen_base
 
     profile = small_profile()
     policy, base, split = _policy(profile)
@@ -132,7 +132,7 @@ def test_lora_adapter_loads_with_peft_on_the_quantized_base(small_profile, tmp_p
     from peft import PeftModel
 
     from orbitctl.model.adapters import save_adapter
-    from orbitctl.model.base import load_frozen_base
+    from orbitctl.model.frozen_base import load_frozen_base
 
     profile = small_profile()
     policy, base, split = _policy(profile)
@@ -197,7 +197,7 @@ def test_infer_and_train_paths_agree_under_left_padding(small_profile):
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
 def test_lora_on_our_int4_and_fp8_layers_reloads_exactly(small_profile, tmp_path, fmt):
     from orbitctl.model.adapters import load_lora, save_adapter
-    from orbitctl.model.base import load_frozen_base
+    from orbitctl.model.frozen_base import load_frozen_base
 
     profile = small_profile(**{"quant.format": fmt, "quant.group_size": 32})
     policy, base, split = _policy(profile)

@@ -190,11 +190,12 @@ def test_a_run_resumed_on_another_thread_count_keeps_the_runs_count_and_its_bits
 ], ids=["zero0", "zero1", "zero3"])
 def test_every_engine_file_deepspeed_writes_passes_the_check(small_profile, overrides):
     """The allow-list holds every class DeepSpeed pickles, so no honest checkpoint is refused."""
-    from orbitctl.rl.checkpoint import check_engine_files, latest_checkpoint
-    from orbitctl.rl.trainer import train
+    from orbitctl.rl.checkpoint import check_engine_files
+    from orbitctl.rundir import RunDir
+    from orbitctl.rl.api import train
 
     result = train(small_profile(**{"rl.steps": 1, **overrides}))
-    step, path = latest_checkpoint(Path(result.run_dir))
+    step, path = RunDir(result.run_dir).latest_checkpoint()
     assert step == 1
     check_engine_files(path)
 

@@ -6,9 +6,9 @@ import sys
 import pytest
 
 from orbitctl.errors import InputFileError, UserError
-from orbitctl.rl.data import PromptStream, load_prompts, read_jsonl
+from orbitctl.data.prompts import PromptStream, load_prompts, read_jsonl
 from orbitctl.rl.rewards import extract_final_answer, make_reward, math_reward
-from orbitctl.rl.tasks import PromptItem, builtin_task
+from orbitctl.data.tasks import PromptItem, builtin_task
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -102,9 +102,9 @@ def test_nan_rewards_stop_the_run_and_keep_the_last_good_checkpoint(tmp_path, pr
     run_dir = tmp_path / "nan"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["update_applied"] for r in records] == [True, True, True, False, False]
-    from orbitctl.rl.checkpoint import latest_checkpoint
+    from orbitctl.rundir import RunDir
 
-    step, path = latest_checkpoint(run_dir)
+    step, path = RunDir(run_dir).latest_checkpoint()
     assert step == 2 and (path / "COMPLETE").exists()  # step 4 failed, so it was never saved
     from safetensors.torch import load_file
 
@@ -125,7 +125,7 @@ def test_malformed_data_fails_before_the_run_starts(tmp_path, profile_yaml):
 
 def test_cli_is_thin(tmp_path, monkeypatch, profile_yaml):
     from orbitctl.cli.app import main
-    from orbitctl.rl import trainer
+    from orbitctl.rl import api as trainer
 
     seen = {}
 
@@ -158,7 +158,7 @@ def test_help_does_not_import_torch():
     {"quant.format": "fp8", "memory.zero_stage": 3},
 ], ids=["ppo-2x2", "icepop-refkl", "zero3", "zero0-cosine-noalign", "bottleneck", "lora-on-int4", "lora-on-fp8-zero3"])
 def test_profile_variants_train(small_profile, overrides):
-    from orbitctl.rl.trainer import train
+    from orbitctl.rl.api import train
 
     result = train(small_profile(**overrides))
     records = [json.loads(line) for line in (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -190,7 +190,7 @@ def test_two_ranks_shard_prompts_and_report_once(tmp_path, profile_yaml):
 
 
 def test_jsonl_data_with_user_reward_on_the_tiny_model(tmp_path, small_profile, monkeypatch):
-    from orbitctl.rl.trainer import train
+    from orbitctl.rl.api import train
 
     data = tmp_path / "add.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"

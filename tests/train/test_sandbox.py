@@ -82,7 +82,7 @@ def test_parent_environment_is_not_readable(monkeypatch):
 
 def test_code_reward_scores_through_the_sandbox():
     from orbitctl.rl.rewards import make_reward
-    from orbitctl.rl.tasks import PromptItem
+    from orbitctl.data.tasks import PromptItem
 
     item = PromptItem(prompt="def f(x):\n", tests=TESTS, entry_point="f")
     rewards = make_reward("code", None)(["    return x + 1\n", "    while True: pass\n"], [item, item])

@@ -65,6 +65,12 @@ def run_plan(path: str | None, overrides: list[str] | tuple[str, ...] = (), *, s
     if list_archs:
         from orbitctl.arch import builtin_arch, builtin_names
 
+        extra = [name for name, given in (("PROFILE", path), ("--set", list(overrides)), ("--sweep", sweeps),
+                                          ("--measure", measure)) if given]
+        if extra:
+            raise UserError(f"--list-archs lists the built-in architectures and takes no {', '.join(extra)}",
+                            fix="run orbitctl plan --list-archs on its own (--json is fine)")
+
         return PlanRun(archs=[builtin_arch(n).summary() for n in builtin_names()])
     if not path:
         raise UserError("missing PROFILE", fix="give a profile YAML file, e.g. orbitctl plan profiles/tiny-cpu.yaml")

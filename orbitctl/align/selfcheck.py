@@ -25,6 +25,7 @@ from typing import Callable
 
 from orbitctl.align.floor import SAME_MODEL, KernelFloor, clear_of_floor, floor_from_table
 from orbitctl.errors import InputFileError, UserError
+from orbitctl.rundir import RunDir
 
 INFER_FORMATS = ("nf4", "fp4", "int4", "fp8", "bf16")
 LOGITS_BUDGET_BYTES = 1 << 30
@@ -81,19 +82,13 @@ class InternalComparison:
 
 def resolve_adapter(profile, adapter: str | Path | None) -> Path | None:
     """The adapter to load: ``adapter``, else the run's final adapter, else its newest checkpoint's."""
-    from orbitctl.rl.checkpoint import latest_checkpoint
-
     if adapter is not None:
         path = Path(adapter)
         if not path.is_dir():
             raise InputFileError(f"{path}: no such adapter directory",
                                  fix="pass --adapter runs/NAME/adapter (written by orbitctl train)")
         return path
-    run_dir = Path(profile.run_dir)
-    if (run_dir / "adapter").is_dir():
-        return run_dir / "adapter"
-    latest = latest_checkpoint(run_dir)
-    return latest[1] / "adapter" if latest else None
+    return RunDir(profile.run_dir).trained_adapter()
 
 
 def load_adapter_into(policy, path: Path, kind: str) -> None:
@@ -173,8 +168,8 @@ def compare_internal(profile, *, adapter: str | Path | None = None, prompts: lis
     import torch
 
     from orbitctl.align.tokens import TokenTable
-    from orbitctl.model.prepare import load_policy, prepare_frozen_base
-    from orbitctl.rl.data import load_prompts
+    from orbitctl.builder import load_policy, prepare_frozen_base
+    from orbitctl.data.prompts import load_prompts
 
     if infer_quant is not None and infer_quant not in INFER_FORMATS:
         raise UserError(f"--infer-quant {infer_quant}: unknown format", fix=f"use one of {', '.join(INFER_FORMATS)}")
@@ -185,7 +180,7 @@ def compare_internal(profile, *, adapter: str | Path | None = None, prompts: lis
     if not prompts:
         raise UserError("no prompts to compare", fix="pass --prompts FILE.jsonl or set data.eval")
     torch.manual_seed(profile.run.seed)
-    base = prepare_frozen_base(profile, split.task)
+    base = prepare_frozen_base(profile, split.warm_task)
     train_policy = load_policy(profile, base)
     adapter_dir = resolve_adapter(profile, adapter)
     if adapter_dir is None:
@@ -199,7 +194,7 @@ def compare_internal(profile, *, adapter: str | Path | None = None, prompts: lis
         if infer_quant is not None and profile.model.quantized_path and not profile.model.path:
             raise UserError("--infer-quant: the profile names only model.quantized_path",
                             fix="set model.path to the unquantized checkpoint so it can be stored in another format")
-        infer_base = prepare_frozen_base(infer_profile, split.task)
+        infer_base = prepare_frozen_base(infer_profile, split.warm_task)
         infer_policy = load_policy(infer_profile, infer_base)
         if adapter_dir is not None:
             load_adapter_into(infer_policy, adapter_dir, profile.adapter.kind)

@@ -1,7 +1,10 @@
-"""The check registry: each check is a function Snapshot -> (status, evidence, fix, data).
+"""The check registry: each check is a function (Snapshot, CheckContext) -> Outcome.
 
-A check module decorates its functions with ``@check(id, area, title)``; ``run_checks``
+A check module decorates its functions with ``@check(id, area, title)``; ``run_registered``
 runs them in registration order and wraps each result in a Finding with its stable id.
+``min_gpus=N`` puts the GPU guard in front of a check: with no GPU visible it answers
+``no_gpu_outcome`` (SKIP, or UNKNOWN when NVML could not be asked), with fewer than N
+GPUs it answers SKIP with the check's ``too_few`` line; the body runs only past the guard.
 """
 
 from __future__ import annotations
@@ -9,11 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from orbitctl.doctor.findings import FAIL, SKIP, UNKNOWN, Finding
+from orbitctl.doctor.findings import FAIL, PASS, SKIP, UNKNOWN, Finding
 from orbitctl.doctor.snapshot import Gpu, Snapshot
+from orbitctl.units import gib
 
-GiB = 1024**3
-MiB = 1024**2
 NO_GPU = "no NVIDIA driver/GPU found"
 
 
@@ -46,14 +48,32 @@ class Check:
     fn: CheckFn
     when: str = "always"
     """always | profile (needs --profile) | active (needs --active)."""
+    min_gpus: int = 0
+    """GPUs the body needs; fewer and the registry answers for it (see ``guard``)."""
+    too_few: str = ""
+    """SKIP evidence when some, but fewer than ``min_gpus``, GPUs are visible (required for min_gpus > 1)."""
+
+    def guard(self, s: Snapshot) -> Outcome | None:
+        """The Outcome that stands in for the body when the GPUs it needs are not there, else None."""
+        if self.min_gpus < 1:
+            return None
+        if (gone := no_gpu_outcome(s)) is not None:
+            return gone
+        if len(s.nvml.gpus) < self.min_gpus:
+            return Outcome(SKIP, [self.too_few])
+        return None
 
 
 REGISTRY: list[Check] = []
 
 
-def check(check_id: str, area: str, title: str, when: str = "always") -> Callable[[CheckFn], CheckFn]:
+def check(check_id: str, area: str, title: str, when: str = "always", *, min_gpus: int = 0,
+          too_few: str = "") -> Callable[[CheckFn], CheckFn]:
+    if min_gpus > 1 and not too_few:
+        raise ValueError(f"{check_id}: min_gpus={min_gpus} needs the too_few line it answers with")
+
     def register(fn: CheckFn) -> CheckFn:
-        REGISTRY.append(Check(check_id, area, title, fn, when))
+        REGISTRY.append(Check(check_id, area, title, fn, when, min_gpus, too_few))
         return fn
 
     return register
@@ -65,7 +85,9 @@ def run_registered(snapshot: Snapshot, ctx: CheckContext) -> list[Finding]:
         if c.when == "profile" and ctx.profile is None or c.when == "active" and not ctx.active:
             continue
         try:
-            out = c.fn(snapshot, ctx)
+            out = c.guard(snapshot)
+            if out is None:
+                out = c.fn(snapshot, ctx)
         except Exception as exc:  # a check bug must not hide the other checks
             out = Outcome(UNKNOWN, [f"check crashed: {type(exc).__name__}: {exc}"])
         findings.append(Finding(id=c.id, area=c.area, status=out.status, title=c.title,
@@ -93,8 +115,9 @@ def field_unknown(gpus: list[Gpu], name: str, what: str) -> Outcome:
                    "Run as root to read it" if "no_permission" in reasons else None)
 
 
-def gib(n: int | float | None) -> str:
-    return "?" if n is None else f"{n / GiB:.1f} GiB"
+def size_gib(n: int | float | None) -> str:
+    """Bytes as the checks show them: '79.1 GiB', or '?' when not known."""
+    return "?" if n is None else f"{gib(n, 1)} GiB"
 
 
 def gpu_label(g: Gpu) -> str:
@@ -102,6 +125,4 @@ def gpu_label(g: Gpu) -> str:
 
 
 def fail_if(bad: list[str], good: str, status: str = FAIL, fix: str | None = None) -> Outcome:
-    from orbitctl.doctor.findings import PASS
-
     return Outcome(status, bad, fix) if bad else Outcome(PASS, [good])

@@ -1,6 +1,6 @@
 """Load the frozen quantized base written by `orbitctl quantize`, in any of its formats.
 
-    from orbitctl.model.base import load_frozen_base, model_memory_bytes
+    from orbitctl.model.frozen_base import load_frozen_base, model_memory_bytes
     model = load_frozen_base("artifacts/tiny-llama-int4")   # a transformers PreTrainedModel
     model_memory_bytes(model)["total"]
 
@@ -16,7 +16,6 @@ Every parameter of the base has ``requires_grad=False``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +23,16 @@ import torch
 from torch import nn
 
 from orbitctl.errors import InputFileError, UserError
+from orbitctl.rundir import read_json
 
 
 def checkpoint_format(path: str | Path) -> str:
     """nf4, fp4, int4, fp8 or none, from the checkpoint's config.json."""
-    from orbitctl.quant.qconfig import spec_from_quantization_config
+    from orbitctl.codec.qconfig import spec_from_quantization_config
 
     config_file = Path(path) / "config.json"
-    if not config_file.exists():
-        raise InputFileError(f"{config_file}: not found", fix="run orbitctl quantize first, or check model.quantized_path")
-    qc = json.loads(config_file.read_text()).get("quantization_config")
+    qc = read_json(config_file, what="config.json",
+                   fix="run orbitctl quantize first, or check model.quantized_path").get("quantization_config")
     try:
         return spec_from_quantization_config(qc).fmt
     except ValueError as exc:
@@ -123,7 +122,7 @@ def _load_with_quant_linear(path: Path, device: torch.device, compute_dtype: tor
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from orbitctl.quant.source import open_checkpoint
+    from orbitctl.codec.source import open_checkpoint
 
     ckpt = open_checkpoint(path)
     config = AutoConfig.from_pretrained(path)
@@ -180,7 +179,7 @@ def _is_fused_experts(module: nn.Module) -> bool:
 
 
 def _load_tensors(model: nn.Module, ckpt: Any, device: torch.device) -> None:
-    from orbitctl.quant.safetensors_io import read_tensor
+    from orbitctl.codec.safetensors_io import read_tensor
 
     handles: dict[Path, Any] = {}
     try:

@@ -124,7 +124,7 @@ def _bnb_storage(spec: FormatSpec) -> torch.dtype:
 
 
 def quantize_bnb(name: str, weight: torch.Tensor, spec: FormatSpec) -> dict[str, torch.Tensor]:
-    from orbitctl.quant.bnb4 import quantize_4bit
+    from orbitctl.codec.bnb4 import quantize_4bit
 
     packed, state = quantize_4bit(weight.to(torch.bfloat16), blocksize=spec.group_size, double_quant=spec.double_quant,
                                   quant_type=spec.fmt, quant_storage=_bnb_storage(spec))

@@ -7,13 +7,13 @@ cursor that checkpoints save, so a resumed run sees exactly the prompts it would
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 from orbitctl.errors import InputFileError, UserError
-from orbitctl.rl.tasks import BuiltinTask, PromptItem, builtin_task, BUILTIN_TASKS
+from orbitctl.rundir import jsonl_records
+from orbitctl.data.tasks import BuiltinTask, PromptItem, builtin_task, BUILTIN_TASKS
 
 
 def read_jsonl(path: str | Path) -> list[PromptItem]:
@@ -22,31 +22,26 @@ def read_jsonl(path: str | Path) -> list[PromptItem]:
     if not path.exists():
         raise InputFileError(f"{path}: file not found", fix="set data.train/data.eval to an existing JSONL file or builtin:NAME")
     items: list[PromptItem] = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InputFileError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})",
-                                     fix="each line must be one JSON object") from None
-            if not isinstance(record, dict):
-                raise InputFileError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            prompt = record.get("prompt")
-            if not isinstance(prompt, str) or not prompt:
-                raise InputFileError(f"{where}: missing 'prompt' (a non-empty string)")
-            answer, tests = record.get("answer"), record.get("tests")
-            if answer is None and tests is None:
-                raise InputFileError(f"{where}: needs 'answer' (math/builtin rewards) or 'tests' (code reward)")
-            if tests is not None and not isinstance(tests, str):
-                raise InputFileError(f"{where}: 'tests' must be a string of Python test code")
-            entry = record.get("entry_point")
-            if entry is not None and not isinstance(entry, str):
-                raise InputFileError(f"{where}: 'entry_point' must be a string")
-            items.append(PromptItem(prompt=prompt, answer=None if answer is None else str(answer), tests=tests,
-                                    entry_point=entry, source=where))
+    for number, _, record, error, column in jsonl_records(path):
+        where = f"{path}:{number}"
+        if record is None:
+            raise InputFileError(f"{where}: not valid JSON ({error} at column {column})",
+                                 fix="each line must be one JSON object")
+        if not isinstance(record, dict):
+            raise InputFileError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        prompt = record.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise InputFileError(f"{where}: missing 'prompt' (a non-empty string)")
+        answer, tests = record.get("answer"), record.get("tests")
+        if answer is None and tests is None:
+            raise InputFileError(f"{where}: needs 'answer' (math/builtin rewards) or 'tests' (code reward)")
+        if tests is not None and not isinstance(tests, str):
+            raise InputFileError(f"{where}: 'tests' must be a string of Python test code")
+        entry = record.get("entry_point")
+        if entry is not None and not isinstance(entry, str):
+            raise InputFileError(f"{where}: 'entry_point' must be a string")
+        items.append(PromptItem(prompt=prompt, answer=None if answer is None else str(answer), tests=tests,
+                                entry_point=entry, source=where))
     if not items:
         raise InputFileError(f"{path}: no prompts", fix="add one JSON object per line with a 'prompt' key")
     return items
@@ -57,6 +52,13 @@ class PromptSplit:
     train: list[PromptItem]
     eval: list[PromptItem]
     task: BuiltinTask | None
+
+    @property
+    def warm_task(self) -> BuiltinTask:
+        """The task a demo base of a tiny catalog model is warm-started on: the builtin task being trained,
+        or for JSONL data the echo task ``mod3`` (answer format: a short completion then EOS; reading
+        digits from the prompt)."""
+        return self.task if self.task is not None else builtin_task("mod3")
 
 
 def load_prompts(data, seed: int) -> PromptSplit:

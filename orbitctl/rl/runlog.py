@@ -11,6 +11,7 @@ import os
 import statistics
 from collections import deque
 from pathlib import Path
+from orbitctl.rundir import atomic_write_text, jsonl_records
 
 
 class MetricsLog:
@@ -22,17 +23,9 @@ class MetricsLog:
         """Keep only lines with ``step <= step`` (atomic rewrite); a torn last line is dropped."""
         if not self.enabled or not self.path.exists():
             return
-        kept = []
-        for line in self.path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if record.get("step", 0) <= step:
-                kept.append(line)
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(k + "\n" for k in kept))
-        os.replace(tmp, self.path)
+        kept = [line.text for line in jsonl_records(self.path)
+                if isinstance(line.record, dict) and line.record.get("step", 0) <= step]
+        atomic_write_text(self.path, "".join(k + "\n" for k in kept), fsync=False)
 
     def append(self, record: dict) -> None:
         if not self.enabled:

@@ -7,15 +7,14 @@ docs/train.md). A run killed mid-write leaves a torn last line; it is skipped. F
 
 from __future__ import annotations
 
-import json
 import math
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 from orbitctl.errors import InputFileError, UserError
+from orbitctl.rundir import RunDir, jsonl_records
 
-METRICS_FILE = "metrics.jsonl"
 MISMATCH_PREFIX = "mismatch_"
 RUN_DIR_FIX = "the run dir is runs/<profile name>, or the profile's run.dir"
 
@@ -25,25 +24,20 @@ def read_metrics(run_dir) -> list[dict]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise InputFileError(f"{run_dir}: no such run directory — fix: {RUN_DIR_FIX}")
-    path = run_dir / METRICS_FILE
+    path = RunDir(run_dir).metrics
     if not path.is_file():
-        raise InputFileError(f"{path}: no {METRICS_FILE} in the run directory — fix: {RUN_DIR_FIX}, "
+        raise InputFileError(f"{path}: no {path.name} in the run directory — fix: {RUN_DIR_FIX}, "
                              f"after at least one training step")
-    lines = path.read_text(encoding="utf-8").splitlines()
-    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    rows = list(jsonl_records(path))
     records = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if i == last:
+    for k, (number, _, record, error, _) in enumerate(rows):
+        if record is None:
+            if k == len(rows) - 1:
                 break  # a write cut short by a kill: the step is not complete
-            raise InputFileError(f"{path}:{i + 1}: not JSON ({exc.msg}) — fix: remove the damaged line "
+            raise InputFileError(f"{path}:{number}: not JSON ({error}) — fix: remove the damaged line "
                                  f"(train rewrites the file from its last checkpoint on resume)") from None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise InputFileError(f"{path}:{i + 1}: not a step record (step) — fix: pass a run directory written "
+            raise InputFileError(f"{path}:{number}: not a step record (step) — fix: pass a run directory written "
                                  f"by orbitctl train")
         records.append(record)
     return sorted(records, key=lambda r: r["step"])
@@ -65,7 +59,7 @@ class EntropyStability:
     full_windows: bool              # False when the run has fewer steps than the window (judged on all steps)
 
 
-def entropy_stability(records: list[dict], window: int, *, source: str = METRICS_FILE) -> EntropyStability:
+def entropy_stability(records: list[dict], window: int, *, source: str = RunDir.METRICS) -> EntropyStability:
     """Slide a ``window``-step window over the logged entropy; O(n) with monotonic queues."""
     if window < 2:
         raise UserError(f"alignment.entropy_window: must be >= 2 (got {window}) — fix: set it in the profile")
@@ -128,7 +122,7 @@ class MismatchTrend:
     n: int                       # steps with a value
 
 
-def mismatch_trends(records: list[dict], *, source: str = METRICS_FILE) -> list[MismatchTrend]:
+def mismatch_trends(records: list[dict], *, source: str = RunDir.METRICS) -> list[MismatchTrend]:
     """One trend per ``mismatch_*`` field the run logged with at least two values, in field order."""
     if len(records) < 2:
         raise InputFileError(f"{source}: {len(records)} step(s) logged; a trend needs at least 2 — fix: train "

@@ -1,7 +1,7 @@
 """`verify-alignment` as a library call: pick the source, compare, judge.
 
 Sources of per-token comparisons (one per call):
-  * internal (default): :func:`orbitctl.align.internal.compare_internal`;
+  * internal (default): :func:`orbitctl.align.selfcheck.compare_internal`;
   * an engine's rollouts (OpenAI-compatible logprobs JSONL): the train path recomputes the
     engine's tokens; metrics on the engine's top-K plus a tail bucket;
   * two logit dumps ``A`` (train side) and ``B`` (infer side), streamed chunk by chunk.
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 from orbitctl.align.verdict import Gate, judge_run, judge_tokens, overall
 from orbitctl.errors import UserError
+from orbitctl.rundir import RunDir
 
 
 @dataclass
@@ -47,6 +47,19 @@ class AlignmentReport:
                            "floor": None if self.floor is None else self.floor.to_dict(),
                            "floor_times": self.floor_times(), "notes": self.notes})
 
+    def layer_finding(self) -> str | None:
+        """With ``--per-layer``: where the two paths part, in one sentence (None without per-layer errors)."""
+        if not self.layers:
+            return None
+        from orbitctl.align.selfcheck import JUMP_FLOOR
+
+        jump = self.source.get("first_jump")
+        if not jump:
+            return f"no layer's error reaches {JUMP_FLOOR:.0%} and doubles: the paths do not part at one layer"
+        if jump.get("likely_cause"):
+            return f"first jump at {jump['name']}: {jump['likely_cause']}"
+        return None
+
     def floor_times(self) -> dict | None:
         """For each floor metric, the comparison's mean over the floor's mean (None without a floor)."""
         if self.floor is None or self.summary is None:
@@ -70,10 +83,108 @@ def _json_safe(value):
 ProgressFn = Callable[[str, int, int], None]
 
 
+def prepare_request(profile_path: str | None, overrides: list[str], *, adapter=None, prompts=None, rollouts=None,
+                    logits_a=None, logits_b=None, run=None, infer_quant=None, per_layer=False, perturb_layer=None,
+                    perturb_scale=None, engine_temperature=None, plot=None):
+    """What `orbitctl verify-alignment` was asked, checked before anything runs: the loaded profile (or
+    None), the fault to inject (or None) and the engine temperature, as a :class:`Request`. A flag, ``--set`` key or profile value the chosen comparison
+    would not use is a UserError naming it."""
+    source = _token_source(rollouts, logits_a, logits_b, run, prompts, adapter, infer_quant, per_layer)
+    _refuse_flags_outside(source, adapter=adapter, prompts=prompts, perturb_layer=perturb_layer,
+                          perturb_scale=perturb_scale, engine_temperature=engine_temperature, plot=plot)
+    profile = None
+    if profile_path is not None:
+        from orbitctl.profile import load_profile
+        from orbitctl.profile.support import VERIFY_INTERNAL, VERIFY_ROLLOUTS, given_keys, refuse_overrides_outside, \
+            refuse_unsupported
+
+        profile = load_profile(profile_path, overrides)
+        if source in ("internal", "rollouts"):
+            refuse_unsupported(profile, VERIFY_INTERNAL if source == "internal" else VERIFY_ROLLOUTS,
+                               given_keys(overrides))
+        else:
+            refuse_overrides_outside(overrides, ("alignment",), f"verify-alignment {_SOURCE_FLAGS[source]}",
+                                     fix="drop it: these comparisons run no model and judge only the alignment gates")
+    elif overrides:
+        raise UserError("--set needs a PROFILE", fix="orbitctl verify-alignment PROFILE --set KEY=VALUE")
+    perturb = None
+    if perturb_layer is not None:
+        from orbitctl.align.selfcheck import Perturbation
+
+        perturb = Perturbation(perturb_layer, DEFAULT_PERTURB_SCALE if perturb_scale is None else perturb_scale)
+    temperature = DEFAULT_ENGINE_TEMPERATURE if engine_temperature is None else engine_temperature
+    return Request(profile, perturb, temperature)
+
+
+class Request(NamedTuple):
+    """A checked verify-alignment request: what :func:`verify_alignment` is called with besides the flags."""
+
+    profile: Any
+    """The loaded profile, or None (dumps and runs need none)."""
+    perturb: Any
+    """The fault to inject into the infer copy (``--perturb-layer``), or None."""
+    engine_temperature: float
+    """The temperature the engine's logprobs were taken at (``--rollouts``)."""
+
+
+DEFAULT_PERTURB_SCALE = 0.5
+"""``--perturb-layer`` without ``--perturb-scale``: the layer's weights times 1.5 (a fault that must be found)."""
+DEFAULT_ENGINE_TEMPERATURE = 1.0
+"""``--rollouts`` without ``--engine-temperature``: vLLM's raw logprobs are taken at temperature 1."""
+
+
+_SOURCE_FLAGS = {"internal": "(internal check)", "rollouts": "--rollouts", "dumps": "--logits-a/--logits-b",
+                 None: "--run (alone)"}
+
+
+def _token_source(rollouts, logits_a, logits_b, run, prompts, adapter, infer_quant, per_layer) -> str | None:
+    """Which comparison runs, as the library picks it: rollouts, dumps, internal, or None (--run alone)."""
+    if rollouts:
+        return "rollouts"
+    if logits_a or logits_b:
+        return "dumps"
+    if run and not (prompts or adapter or infer_quant or per_layer):
+        return None
+    return "internal"
+
+
+def _refuse_flags_outside(source: str | None, *, adapter, prompts, perturb_layer, perturb_scale, engine_temperature,
+                          plot) -> None:
+    """Refuse a flag the chosen comparison would not use."""
+    where = f"with verify-alignment {_SOURCE_FLAGS[source]}"
+    unused = []
+    if source != "internal":
+        unused += [("--adapter", adapter, where, "--rollouts recomputes with the adapter of the profile's run (run.dir); "
+                                                 "dumps and --run run no model"),
+                   ("--prompts", prompts, where, "--rollouts takes its prompts from the rollouts file; dumps and --run use none"),
+                   ("--perturb-layer", perturb_layer, where, "only the internal check builds an infer copy to perturb")]
+    if source != "rollouts":
+        unused.append(("--engine-temperature", engine_temperature, where, "only --rollouts reads an engine's logprobs"))
+    if source is None:
+        unused.append(("--plot", plot, where, "--run alone compares no tokens to plot"))
+    if perturb_layer is None:
+        unused.append(("--perturb-scale", perturb_scale, "without --perturb-layer", "it scales the fault that one injects"))
+    for flag, value, context, why in unused:
+        if value is not None:
+            raise UserError(f"{flag} does nothing {context}: {why}", fix=f"drop {flag}")
+
+
+def write_report_plot(report: AlignmentReport, path: str, profile=None) -> None:
+    """The PNG of a report, the JS gate drawn at the profile's ``alignment.js_max`` (the schema's default
+    without a profile)."""
+    from orbitctl.align.plot import write_plot
+    from orbitctl.profile.schema import AlignmentSection
+
+    alignment = profile.alignment if profile is not None else AlignmentSection()
+    write_plot(report, path, alignment.js_max)
+
+
+
+
 def verify_alignment(profile, *, adapter: str | None = None, prompts_file: str | None = None,
                      rollouts: str | None = None, logits_a: str | None = None, logits_b: str | None = None,
                      run: str | None = None, infer_quant: str | None = None, per_layer: bool = False,
-                     perturb=None, engine_temperature: float = 1.0,
+                     perturb=None, engine_temperature: float | None = None,
                      on_progress: ProgressFn | None = None) -> AlignmentReport:
     """Compare the train path with the infer path (or a run's record) and judge the gates.
 
@@ -91,8 +202,7 @@ def verify_alignment(profile, *, adapter: str | None = None, prompts_file: str |
     if (infer_quant or per_layer or perturb) and sources:
         raise UserError("--infer-quant and --per-layer apply to the internal check only",
                         fix="drop them, or drop --rollouts/--logits-a")
-    token_source = sources[0] if sources else (None if run and not (prompts_file or adapter or infer_quant or per_layer)
-                                               else "internal")
+    token_source = _token_source(rollouts, logits_a, logits_b, run, prompts_file, adapter, infer_quant, per_layer)
     if token_source in ("internal", "rollouts") and profile is None:
         raise UserError(f"the {token_source} check needs a PROFILE (the model to run)",
                         fix="orbitctl verify-alignment PROFILE ...")
@@ -100,10 +210,10 @@ def verify_alignment(profile, *, adapter: str | None = None, prompts_file: str |
     if token_source == "internal":
         prompts = None
         if prompts_file:
-            from orbitctl.rl.data import read_jsonl
+            from orbitctl.data.prompts import read_jsonl
 
             prompts = [item.prompt for item in read_jsonl(prompts_file)][:alignment.num_prompts]
-        from orbitctl.align.internal import compare_internal
+        from orbitctl.align.selfcheck import compare_internal
 
         result = compare_internal(profile, adapter=adapter, prompts=prompts, infer_quant=infer_quant,
                                   per_layer=per_layer, perturb=perturb,
@@ -111,7 +221,8 @@ def verify_alignment(profile, *, adapter: str | None = None, prompts_file: str |
         report.source, report.table, report.notes = result.describe(), result.table, list(result.notes)
         report.infer_token_logp, report.layers, report.floor = result.infer_token_logp, result.layers, result.floor
     elif token_source == "rollouts":
-        _from_rollouts(report, profile, rollouts, engine_temperature, on_progress)
+        temperature = DEFAULT_ENGINE_TEMPERATURE if engine_temperature is None else engine_temperature
+        _from_rollouts(report, profile, rollouts, temperature, on_progress)
     elif token_source == "dumps":
         _from_dumps(report, alignment, logits_a, logits_b, on_progress)
     if report.table is not None:
@@ -126,11 +237,12 @@ def verify_alignment(profile, *, adapter: str | None = None, prompts_file: str |
 
 
 def _from_run(report: AlignmentReport, run: str, alignment) -> None:
-    from orbitctl.align.runlog import entropy_stability, mismatch_trends, read_metrics
+    from orbitctl.align.trends import entropy_stability, mismatch_trends, read_metrics
 
     records = read_metrics(run)
-    stability = entropy_stability(records, alignment.entropy_window, source=str(Path(run) / "metrics.jsonl"))
-    trends = mismatch_trends(records, source=str(Path(run) / "metrics.jsonl"))
+    source = str(RunDir(run).metrics)
+    stability = entropy_stability(records, alignment.entropy_window, source=source)
+    trends = mismatch_trends(records, source=source)
     report.run = {"dir": str(run), "steps": stability.steps, "entropy_window": stability.window,
                   "entropy_fluctuation": stability.worst_fluctuation, "worst_window": list(stability.worst_window),
                   "full_windows": stability.full_windows,
@@ -174,16 +286,16 @@ def _from_rollouts(report: AlignmentReport, profile, path: str, temperature: flo
     import torch
 
     from orbitctl.align.floor import floor_from_table
-    from orbitctl.align.internal import load_adapter_into, resolve_adapter
+    from orbitctl.align.selfcheck import load_adapter_into, resolve_adapter
     from orbitctl.align.metrics import COARSE_GRAIN_NOTE
     from orbitctl.align.rollouts import read_rollouts, resolve_ids
     from orbitctl.align.tokens import TokenTable
-    from orbitctl.model.prepare import load_policy, prepare_frozen_base
-    from orbitctl.rl.data import load_prompts
+    from orbitctl.builder import load_policy, prepare_frozen_base
+    from orbitctl.data.prompts import load_prompts
 
     completions = read_rollouts(path)  # a bad file fails before any model work
     split = load_prompts(profile.data, profile.run.seed)
-    policy = load_policy(profile, prepare_frozen_base(profile, split.task))
+    policy = load_policy(profile, prepare_frozen_base(profile, split.warm_task))
     adapter_dir = resolve_adapter(profile, None)
     if adapter_dir is not None:
         load_adapter_into(policy, adapter_dir, profile.adapter.kind)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from orbitctl.errors import InputFileError
+from orbitctl.rundir import atomic_file
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -164,15 +165,11 @@ class ShardWriter:
         # The estimate was short: copy the data behind a header of the right size.
         header = header + b" " * ((-(8 + len(header))) % 8)
         self.file.close()
-        tmp = self.path.with_name(self.path.name + ".hdr")
-        with self.path.open("rb") as src, tmp.open("wb") as dst:
+        with atomic_file(self.path) as tmp, self.path.open("rb") as src, tmp.open("wb") as dst:
             dst.write(struct.pack("<Q", len(header)) + header)
             src.seek(8 + self.reserve)
             while chunk := src.read(64 * 1024 * 1024):
                 dst.write(chunk)
-            dst.flush()
-            os.fsync(dst.fileno())
-        os.replace(tmp, self.path)
 
     def abort(self) -> None:
         self.file.close()

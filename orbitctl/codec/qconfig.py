@@ -8,7 +8,8 @@ linear modules left in bf16 so that the loaders do not expect quantized tensors 
 
 from __future__ import annotations
 
-from orbitctl.quant.formats import FP8_BLOCK, FormatSpec
+from orbitctl.codec.formats import FP8_BLOCK, FormatSpec
+from orbitctl.units import TORCH_DTYPE_NAMES, short_dtype
 
 
 def quantization_config(spec: FormatSpec, kept: list[str], compute_dtype: str = "bfloat16") -> dict | None:
@@ -20,7 +21,7 @@ def quantization_config(spec: FormatSpec, kept: list[str], compute_dtype: str = 
             "bnb_4bit_quant_type": spec.fmt,
             "bnb_4bit_use_double_quant": spec.double_quant,
             "bnb_4bit_compute_dtype": compute_dtype,
-            "bnb_4bit_quant_storage": "bfloat16" if spec.storage_dtype == "bf16" else "uint8",
+            "bnb_4bit_quant_storage": TORCH_DTYPE_NAMES.get(spec.storage_dtype, "uint8"),
             "llm_int8_skip_modules": sorted(kept),
             "llm_int8_threshold": 6.0,
             "llm_int8_has_fp16_weight": False,
@@ -65,7 +66,7 @@ def spec_from_quantization_config(qc: dict | None) -> FormatSpec:
     if method == "bitsandbytes":
         storage = qc.get("bnb_4bit_quant_storage", "uint8")
         return FormatSpec(qc.get("bnb_4bit_quant_type", "nf4"), 64, bool(qc.get("bnb_4bit_use_double_quant")),
-                          "bf16" if storage in ("bfloat16", "bf16") else "uint8")
+                          "bf16" if short_dtype(storage) == "bf16" else "uint8")
     if method == "compressed-tensors":
         group = next(iter((qc.get("config_groups") or {}).values()), {}).get("weights", {}) or {}
         return FormatSpec("int4", int(group.get("group_size") or 32))

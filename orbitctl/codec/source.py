@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 
 from orbitctl.errors import InputFileError, UserError
-from orbitctl.quant.formats import FP8_BLOCK, dequantize_fp8_blocks
-from orbitctl.quant.safetensors_io import TensorEntry, read_header, read_tensor
+from orbitctl.codec.formats import FP8_BLOCK, dequantize_fp8_blocks
+from orbitctl.codec.safetensors_io import TensorEntry, read_header, read_tensor
+from orbitctl.rundir import read_json
 
 INDEX_NAME = "model.safetensors.index.json"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_k2")
@@ -103,12 +104,8 @@ def open_checkpoint(src: str | Path) -> Checkpoint:
 
 def _read_config(path: Path) -> dict:
     file = path / "config.json"
-    if not file.exists():
-        raise InputFileError(f"{file}: not found", fix="a Hugging Face checkpoint directory needs its config.json")
-    try:
-        config = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise InputFileError(f"{file}: not valid JSON ({exc.msg} at line {exc.lineno})", fix="repair or re-download config.json") from exc
+    config = read_json(file, what="config.json", fix="a Hugging Face checkpoint directory needs a valid config.json "
+                                                      "(repair or re-download it)")
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UserError(f"{file}: model_type '{model_type}' is not supported by orbitctl quantize",
@@ -119,10 +116,9 @@ def _read_config(path: Path) -> dict:
 def _shard_files(path: Path) -> list[Path]:
     index = path / INDEX_NAME
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise InputFileError(f"{index}: not a safetensors index (no weight_map)", fix="repair or re-download the index") from exc
+        weight_map = read_json(index, what="safetensors index", fix="repair or re-download the index").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise InputFileError(f"{index}: not a safetensors index (no weight_map)", fix="repair or re-download the index")
         names = sorted(set(weight_map.values()))
         for name in names:
             if not (path / name).exists():
@@ -144,7 +140,7 @@ def _check_index(path: Path, entries: dict[str, TensorEntry]) -> None:
     index = path / INDEX_NAME
     if not index.exists():
         return
-    weight_map = json.loads(index.read_text())["weight_map"]
+    weight_map = read_json(index, what="safetensors index")["weight_map"]
     for name, file in weight_map.items():
         entry = entries.get(name)
         if entry is None or entry.file.name != file:

@@ -12,9 +12,10 @@ from pathlib import Path
 
 from orbitctl.errors import UserError
 from orbitctl.quant import manifest as mf
-from orbitctl.quant.qconfig import quantization_config
+from orbitctl.codec.qconfig import quantization_config
 from orbitctl.quant.report import build_report, compare_next_token
-from orbitctl.quant.source import INDEX_NAME
+from orbitctl.codec.source import INDEX_NAME
+from orbitctl.rundir import PARTIAL_SUFFIX, atomic_file, atomic_write_json, read_json_or_none
 
 # Files of a checkpoint that describe weights, not the model: never copied next to the output.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")
@@ -36,18 +37,18 @@ def prepare_output(out: Path, plan: dict) -> OutputState:
         raise UserError(f"{out}: exists and is not a directory", fix="choose another output directory")
     out.mkdir(parents=True, exist_ok=True)
     same = lambda doc: doc and doc.get("fingerprint") == plan["fingerprint"] and doc.get("options") == plan["options"]  # noqa: E731
-    manifest = mf.read_json(out / mf.MANIFEST_NAME)
+    manifest = read_json_or_none(out / mf.MANIFEST_NAME)
     if manifest is not None:
         if same(manifest.get("source", {}) | {"options": manifest.get("options")}):
-            return OutputState(complete=True, report=mf.read_json(out / mf.REPORT_NAME) or {})
+            return OutputState(complete=True, report=read_json_or_none(out / mf.REPORT_NAME) or {})
         raise UserError(f"{out}: holds a finished conversion of another source or with other options",
                         fix="choose an empty output directory (or delete this one)")
-    existing_plan = mf.read_json(out / mf.PLAN_NAME)
+    existing_plan = read_json_or_none(out / mf.PLAN_NAME)
     if existing_plan is not None:
         if not same(existing_plan) or existing_plan.get("shards") != plan["shards"]:
             raise UserError(f"{out}: holds an unfinished conversion of another source or with other options",
                             fix="rerun with the original arguments to resume it, or choose an empty directory")
-        for partial in out.glob("*" + mf.PARTIAL_SUFFIX):
+        for partial in out.glob("*" + PARTIAL_SUFFIX):
             partial.unlink()
         done = {}
         for name, record in mf.read_progress(out).items():
@@ -58,7 +59,7 @@ def prepare_output(out: Path, plan: dict) -> OutputState:
     if any(out.iterdir()):
         raise UserError(f"{out}: output directory is not empty and holds no resumable orbitctl quantize run",
                         fix="choose an empty or new directory")
-    mf.write_json_atomic(out / mf.PLAN_NAME, plan)
+    atomic_write_json(out / mf.PLAN_NAME, plan)
     return OutputState()
 
 
@@ -67,17 +68,17 @@ def finish_output(ckpt, out: Path, plan: dict, records: list[dict], opts, passth
     weight_map = {t: r["shard"] for r in records for t in r["tensors"]}
     if len(records) > 1:
         total = sum(r["bytes"] for r in records)
-        mf.write_json_atomic(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+        atomic_write_json(out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
     quantized = [t for r in records for t in r["quantized"]]
     kept = [t for r in records for t in r["kept"]]
-    mf.write_json_atomic(out / "config.json", output_config(ckpt.config, opts, kept, passthrough))
+    atomic_write_json(out / "config.json", output_config(ckpt.config, opts, kept, passthrough))
     copy_side_files(ckpt.path, out)
     bytes_out = sum(r["bytes"] for r in records)
     report = build_report(source=str(ckpt.path), spec=opts.spec.describe(), quantized=quantized, kept=kept,
                           passthrough=passthrough, bytes_in=ckpt.source_bytes(), bytes_out=bytes_out)
     if eval_prompts > 0:
         report["eval"] = compare_next_token(str(ckpt.path), str(out), eval_prompts)
-    mf.write_json_atomic(out / mf.REPORT_NAME, report)
+    atomic_write_json(out / mf.REPORT_NAME, report)
     shard_hashes = {r["shard"]: {"sha256": r["sha256"], "bytes": r["bytes"]} for r in records}  # hashed when written
     files = {p.name: shard_hashes.get(p.name) or {"sha256": mf.sha256_file(p), "bytes": p.stat().st_size}
              for p in sorted(out.iterdir()) if p.is_file() and not p.name.startswith(".") and p.name != mf.MANIFEST_NAME}
@@ -89,7 +90,7 @@ def finish_output(ckpt, out: Path, plan: dict, records: list[dict], opts, passth
         "options": plan["options"],
         "files": files,
     }
-    mf.write_json_atomic(out / mf.MANIFEST_NAME, manifest)
+    atomic_write_json(out / mf.MANIFEST_NAME, manifest)
     (out / mf.PLAN_NAME).unlink(missing_ok=True)
     (out / mf.PROGRESS_NAME).unlink(missing_ok=True)
     return report
@@ -120,6 +121,6 @@ def copy_side_files(src: Path, out: Path) -> None:
             continue
         if path.name.endswith(".index.json"):
             continue
-        shutil.copyfile(path, out / (path.name + mf.PARTIAL_SUFFIX))
-        (out / (path.name + mf.PARTIAL_SUFFIX)).replace(out / path.name)
+        with atomic_file(out / path.name, fsync=False) as tmp:
+            shutil.copyfile(path, tmp)
 
