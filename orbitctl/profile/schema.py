@@ -159,7 +159,11 @@ class MemorySection(Section):
     loss_chunk_size: int = Field(0, ge=0)
     """Tokens per chunk of the lm_head + loss; 0 computes the logits of the whole micro-batch at once."""
     expert_parallel: int = Field(1, ge=1)
-    """Expert-parallel degree: ZeRO-3 then gathers only 1/EP of a MoE layer's experts."""
+    """Expert-parallel degree P: each rank of an EP group holds 1/P of every MoE layer's routed experts (never
+    gathered) and tokens travel to their experts' owners by all-to-all; 1 = no expert parallelism."""
+    dense_layout: Literal["auto", "replicated", "sharded"] = "auto"
+    """Where the frozen base's dense part (attention, shared experts, dense layers, embeddings, lm_head) lives:
+    a full copy per rank, or ZeRO-3 partitions gathered layer by layer; auto = sharded under zero_stage 3, else replicated."""
     prefetch_layers: int = Field(1, ge=0, le=8)
     """ZeRO-3 layers gathered ahead of the current one (stage3_prefetch_bucket_size)."""
 
@@ -174,7 +178,19 @@ class MemorySection(Section):
             raise ValueError("memory.offload_params: 'cpu' needs memory.zero_stage: 3")
         if self.offload_optimizer == "cpu" and self.zero_stage == 0:
             raise ValueError("memory.offload_optimizer: 'cpu' needs memory.zero_stage >= 1")
+        if self.dense_layout == "sharded" and self.zero_stage != 3:
+            raise ValueError("memory.dense_layout: 'sharded' needs memory.zero_stage: 3 (ZeRO-3 partitions the parameters)")
+        if self.dense_layout == "replicated" and self.zero_stage == 3:
+            raise ValueError("memory.dense_layout: 'replicated' needs memory.zero_stage <= 2 (ZeRO-3 partitions every "
+                             "parameter it is given); use auto or sharded with zero_stage 3")
         return self
+
+    @property
+    def resolved_dense_layout(self) -> str:
+        """``dense_layout`` with auto resolved: sharded under ZeRO-3, else replicated."""
+        if self.dense_layout != "auto":
+            return self.dense_layout
+        return "sharded" if self.zero_stage == 3 else "replicated"
 
 
 class AlignLoss(Section):
