@@ -40,18 +40,23 @@ def checkpoint_format(path: str | Path) -> str:
 
 
 def load_frozen_base(quantized_dir: str | Path, *, device: str | torch.device = "cpu",
-                     compute_dtype: torch.dtype = torch.bfloat16):
+                     compute_dtype: torch.dtype = torch.bfloat16, experts=None):
     """The frozen base model of ``quantized_dir`` on ``device``, every parameter with requires_grad=False.
 
     ``compute_dtype`` is the dtype the model computes in, whatever the checkpoint's config.json
     says: the unquantized weights are loaded in it and the NF4/FP4 layers dequantize to it.
+    ``experts`` (an :class:`~orbitctl.model.expert_parallel.ExpertGroup`) loads only this rank's
+    share of every MoE layer's routed experts, reading only their tensors (int4 and fp8 checkpoints).
     """
     from transformers import AutoModelForCausalLM
 
     path = Path(quantized_dir)
     fmt = checkpoint_format(path)
+    if experts is not None and experts.size > 1 and fmt not in ("int4", "fp8"):
+        raise UserError(f"{path}: expert parallelism loads int4 or fp8 experts, this checkpoint is {fmt}",
+                        fix="set quant.format: int4 (or fp8), or memory.expert_parallel: 1")
     if fmt in ("int4", "fp8"):
-        model = _load_with_quant_linear(path, torch.device(device), compute_dtype)
+        model = _load_with_quant_linear(path, torch.device(device), compute_dtype, experts)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype, device_map=str(device))
         _cast_unquantized(model, compute_dtype)
@@ -118,7 +123,7 @@ def model_memory_bytes(model: nn.Module) -> dict[str, int]:
             "total": params + buffers + quant_state, "trainable_params": trainable}
 
 
-def _load_with_quant_linear(path: Path, device: torch.device, compute_dtype: torch.dtype):
+def _load_with_quant_linear(path: Path, device: torch.device, compute_dtype: torch.dtype, experts=None):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -131,46 +136,69 @@ def _load_with_quant_linear(path: Path, device: torch.device, compute_dtype: tor
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
     shapes = {name: e.shape for name, e in ckpt.entries.items()}
-    _swap_modules(model, shapes)
-    _load_tensors(model, ckpt, device)
+    elsewhere = _swap_modules(model, shapes, experts)
+    _load_tensors(model, ckpt, device, elsewhere)
     if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in shapes:
         model.tie_weights()
-    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    missing = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
     if missing:
         raise InputFileError(f"{path}: checkpoint has no tensor for {len(missing)} parameter(s), e.g. {missing[0]}",
                              fix="the checkpoint is incomplete; run orbitctl quantize --verify on it")
     return model.to(device)
 
 
-def _quant_linear_for(prefix: str, in_f: int, out_f: int, shapes: dict[str, tuple]) -> nn.Module:
+def _quant_linear_for(prefix: str, in_f: int, out_f: int, shapes: dict[str, tuple], *,
+                      as_buffers: bool = False) -> nn.Module:
     from orbitctl.model.quant_linear import QuantLinear
 
     bias = f"{prefix}.bias" in shapes
     if f"{prefix}.weight_packed" in shapes:
         groups = shapes[f"{prefix}.weight_scale"][-1]
-        return QuantLinear(in_f, out_f, "int4", group_size=in_f // groups, bias=bias, device="meta")
+        return QuantLinear(in_f, out_f, "int4", group_size=in_f // groups, bias=bias, device="meta", as_buffers=as_buffers)
     if f"{prefix}.weight_scale_inv" in shapes:
-        return QuantLinear(in_f, out_f, "fp8", bias=bias, device="meta")
+        return QuantLinear(in_f, out_f, "fp8", bias=bias, device="meta", as_buffers=as_buffers)
     return nn.Linear(in_f, out_f, bias=bias, device="meta")
 
 
-def _swap_modules(model: nn.Module, shapes: dict[str, tuple]) -> None:
-    """Replace quantized linears and fused experts with modules shaped like the checkpoint."""
+def _swap_modules(model: nn.Module, shapes: dict[str, tuple], experts=None) -> dict[str, range]:
+    """Replace quantized linears and fused experts with modules shaped like the checkpoint. With an
+    expert group, fused experts become this rank's share; returns {experts module name: owned range}."""
+    from orbitctl.model.expert_parallel import ExpertParallelExperts
     from orbitctl.model.quant_linear import ExpertMLP, QuantExperts
 
     swaps: list[tuple[str, nn.Module]] = []
+    owned: dict[str, range] = {}
+    parallel = experts is not None and experts.size > 1
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and (f"{name}.weight_packed" in shapes or f"{name}.weight_scale_inv" in shapes):
             swaps.append((name, _quant_linear_for(name, module.in_features, module.out_features, shapes)))
         elif _is_fused_experts(module) and f"{name}.gate_up_proj" not in shapes:
             n_exp, hidden, inter = module.down_proj.shape[0], module.down_proj.shape[1], module.down_proj.shape[2]
-            experts = [ExpertMLP(_quant_linear_for(f"{name}.{e}.gate_proj", hidden, inter, shapes),
-                                 _quant_linear_for(f"{name}.{e}.up_proj", hidden, inter, shapes),
-                                 _quant_linear_for(f"{name}.{e}.down_proj", inter, hidden, shapes)) for e in range(n_exp)]
-            swaps.append((name, QuantExperts(experts, module.act_fn)))
+            indices = experts.owned(n_exp) if parallel else range(n_exp)
+
+            def expert(e: int) -> ExpertMLP:
+                return ExpertMLP(*(_quant_linear_for(f"{name}.{e}.{proj}", i, o, shapes, as_buffers=parallel)
+                                   for proj, i, o in (("gate_proj", hidden, inter), ("up_proj", hidden, inter),
+                                                      ("down_proj", inter, hidden))))
+
+            if parallel:
+                owned[name] = indices
+                swaps.append((name, ExpertParallelExperts({e: expert(e) for e in indices}, n_exp, module.act_fn, experts)))
+            else:
+                swaps.append((name, QuantExperts([expert(e) for e in indices], module.act_fn)))
     for name, new in swaps:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    return owned
+
+
+def _held_elsewhere(tensor_name: str, owned: dict[str, range]) -> bool:
+    """True for a routed expert's tensor that another rank of the expert-parallel group holds."""
+    for prefix, indices in owned.items():
+        if tensor_name.startswith(prefix + "."):
+            index = tensor_name[len(prefix) + 1:].split(".", 1)[0]
+            return index.isdigit() and int(index) not in indices
+    return False
 
 
 def _is_fused_experts(module: nn.Module) -> bool:
@@ -178,12 +206,15 @@ def _is_fused_experts(module: nn.Module) -> bool:
     return isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
 
 
-def _load_tensors(model: nn.Module, ckpt: Any, device: torch.device) -> None:
+def _load_tensors(model: nn.Module, ckpt: Any, device: torch.device, owned: dict[str, range] | None = None) -> None:
+    """Read every tensor into its place, each from its own byte range; experts another rank owns are not read."""
     from orbitctl.codec.safetensors_io import read_tensor
 
     handles: dict[Path, Any] = {}
     try:
         for name, entry in ckpt.entries.items():
+            if owned and _held_elsewhere(name, owned):
+                continue
             module_name, _, attr = name.rpartition(".")
             try:
                 module = model.get_submodule(module_name)

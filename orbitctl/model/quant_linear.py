@@ -28,20 +28,28 @@ class QuantLinear(nn.Module):
     """y = x W^T + b with W stored as symmetric group INT4 (``fmt='int4'``) or 128x128-block FP8 (``fmt='fp8'``)."""
 
     def __init__(self, in_features: int, out_features: int, fmt: str, *, group_size: int = 32, bias: bool = False,
-                 device=None) -> None:
+                 device=None, as_buffers: bool = False) -> None:
         super().__init__()
         if fmt not in ("int4", "fp8"):
             raise ValueError(f"QuantLinear stores int4 or fp8, not {fmt}")
         self.in_features, self.out_features, self.fmt, self.group_size = in_features, out_features, fmt, group_size
+
+        def hold(name: str, tensor: torch.Tensor) -> None:
+            # buffers: weights only this rank holds (an expert-parallel expert), which ZeRO must not touch
+            self.register_buffer(name, tensor) if as_buffers else setattr(self, name, _frozen(tensor))
+
         if fmt == "int4":
-            self.weight_packed = _frozen(torch.empty(out_features, in_features // 8, dtype=torch.int32, device=device))
-            self.weight_scale = _frozen(torch.empty(out_features, in_features // group_size, dtype=torch.bfloat16, device=device))
+            hold("weight_packed", torch.empty(out_features, in_features // 8, dtype=torch.int32, device=device))
+            hold("weight_scale", torch.empty(out_features, in_features // group_size, dtype=torch.bfloat16, device=device))
             self.register_buffer("weight_shape", torch.tensor([out_features, in_features], dtype=torch.int64, device=device))
         else:
             blocks = (-(-out_features // 128), -(-in_features // 128))
-            self.weight = _frozen(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device))
-            self.weight_scale_inv = _frozen(torch.empty(blocks, dtype=torch.float32, device=device))
-        self.bias = _frozen(torch.zeros(out_features, dtype=torch.bfloat16, device=device)) if bias else None
+            hold("weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device))
+            hold("weight_scale_inv", torch.empty(blocks, dtype=torch.float32, device=device))
+        if bias:
+            hold("bias", torch.zeros(out_features, dtype=torch.bfloat16, device=device))
+        else:
+            self.bias = None
 
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The dense [out, in] weight this layer stands for (a fresh tensor)."""

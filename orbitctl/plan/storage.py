@@ -3,7 +3,9 @@
 Bits per weight include the format's metadata (scales, absmax). bitsandbytes keeps its
 quantization state outside the parameter tensors, so ZeRO-3 cannot shard it: it is counted
 replicated on every rank. compressed-tensors INT4 and FP8 keep their scales as ordinary
-tensors, sharded like the weights.
+tensors, sharded like the weights. Every category is also split into the routed experts and
+the dense rest (attention, shared experts, dense layers, embeddings, lm_head, norms, router):
+expert parallelism places the first, ``memory.dense_layout`` the second.
 """
 
 from __future__ import annotations
@@ -72,17 +74,40 @@ class BaseStorage:
     layer_bytes: tuple[float, ...]
     """Stored bytes of each decoder layer (all experts), the ZeRO-3 gather unit."""
     layer_expert_bytes: tuple[float, ...]
-    """The routed-expert part of each layer (expert parallelism divides only this)."""
+    """The routed-expert part of each layer: under expert parallelism never gathered."""
     embedding_bytes: float
     lm_head_bytes: float
     largest_dequant_bytes: int
     """bf16 size of the largest single quantized matrix (one expert's, not the stack)."""
     layer_expert_bf16_bytes: int
     """bf16 size of one MoE layer's routed experts, all of them: what a stacked dequant builds."""
+    expert_sharded_bytes: float
+    """The routed experts' part of ``sharded_bytes`` (every MoE layer, all experts)."""
+    expert_unshardable_bytes: float
+    """The routed experts' part of ``unshardable_bytes``."""
+    expert_replicated_bytes: float
+    """The routed experts' part of ``replicated_bytes`` (their bnb quant state)."""
 
     @property
     def total_bytes(self) -> float:
         return self.sharded_bytes + self.unshardable_bytes + self.replicated_bytes
+
+    @property
+    def expert_bytes(self) -> float:
+        """All routed experts of every MoE layer in their stored format, metadata included."""
+        return self.expert_sharded_bytes + self.expert_unshardable_bytes + self.expert_replicated_bytes
+
+    @property
+    def dense_sharded_bytes(self) -> float:
+        return self.sharded_bytes - self.expert_sharded_bytes
+
+    @property
+    def dense_unshardable_bytes(self) -> float:
+        return self.unshardable_bytes - self.expert_unshardable_bytes
+
+    @property
+    def dense_replicated_bytes(self) -> float:
+        return self.replicated_bytes - self.expert_replicated_bytes
 
 
 def base_storage(arch: ArchSpec, quant, model_dtype: str = "bf16") -> BaseStorage:
@@ -105,12 +130,12 @@ def base_storage(arch: ArchSpec, quant, model_dtype: str = "bf16") -> BaseStorag
         key = id(weights)
         if key not in cache:
             totals = [0.0, 0.0, 0.0, 0, 0]
-            experts, dequant = 0.0, 0
+            experts, dequant = [0.0, 0.0, 0.0], 0
             for w in weights:
                 parts = weight_bytes(w)
                 totals = [a + b for a, b in zip(totals, parts)]
                 if w.kind == EXPERT:
-                    experts += sum(parts[:3])
+                    experts = [a + b for a, b in zip(experts, parts[:3])]
                 if parts[3]:
                     dequant = max(dequant, 2 * w.numel // w.copies)
             stacked = sum(2 * w.numel for w in weights if w.kind == EXPERT)
@@ -118,14 +143,16 @@ def base_storage(arch: ArchSpec, quant, model_dtype: str = "bf16") -> BaseStorag
         return cache[key]
 
     totals = [0.0, 0.0, 0.0, 0, 0]
+    expert_totals = [0.0, 0.0, 0.0]
     dequant = stacked = 0
     layer_bytes, layer_experts = [], []
     for layer in arch.layers:
         parts, experts, d, st = layer_totals(layer.weights)
         totals = [a + b for a, b in zip(totals, parts)]
+        expert_totals = [a + b for a, b in zip(expert_totals, experts)]
         dequant, stacked = max(dequant, d), max(stacked, st)
         layer_bytes.append(sum(parts[:3]))
-        layer_experts.append(experts)
+        layer_experts.append(sum(experts))
     globals_bytes = {}
     for w in arch.global_weights:
         parts = weight_bytes(w)
@@ -140,4 +167,6 @@ def base_storage(arch: ArchSpec, quant, model_dtype: str = "bf16") -> BaseStorag
         layer_bytes=tuple(layer_bytes), layer_expert_bytes=tuple(layer_experts),
         embedding_bytes=globals_bytes.get(EMBEDDING, 0.0), lm_head_bytes=globals_bytes.get(LM_HEAD, 0.0),
         largest_dequant_bytes=dequant, layer_expert_bf16_bytes=stacked,
+        expert_sharded_bytes=expert_totals[0], expert_unshardable_bytes=expert_totals[1],
+        expert_replicated_bytes=expert_totals[2],
     )

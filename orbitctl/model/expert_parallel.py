@@ -1,0 +1,176 @@
+"""Expert parallelism: each rank holds 1/P of every MoE layer's routed experts and tokens travel to them.
+
+    group = ExpertGroup.of_world(ep_size=2)           # every rank calls it, in the same order
+    layer = ExpertParallelExperts(local_experts, num_experts=8, act_fn=F.silu, group=group)
+    y = layer(hidden_states, top_k_index, top_k_weights)   # the fused-experts signature of transformers 5
+
+Rank r of an EP group of size P owns experts ``[r*E/P, (r+1)*E/P)``. A forward sorts this rank's
+(token, k) slots by the expert's owner, sends each owner its slots' hidden vectors with
+``all_to_all_single`` (the autograd variant: gradients come back the same way), runs the local
+experts on what arrived, grouped by expert, and sends the results back with a second
+``all_to_all_single``; the top-k weights are applied where the token lives. The expert weights are
+never gathered, in training or in rollout, and no rank holds another rank's experts.
+
+Every rank of the group must call every MoE layer the same number of times (the exchange is a
+collective): the trainer keeps ranks in lockstep (:class:`Lockstep`), a rank with no tokens still
+takes part with empty splits. The local experts' quantized weights are buffers, not parameters, so
+ZeRO neither partitions them nor broadcasts rank 0's copy over the others'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """This rank's expert-parallel group: its rank inside the group, the group's size and handle."""
+
+    rank: int
+    size: int
+    group: Any = None
+    """The torch.distributed process group (None: the default group, when it is exactly the EP group)."""
+
+    @classmethod
+    def of_world(cls, ep_size: int) -> "ExpertGroup":
+        """Split the world into consecutive groups of ``ep_size`` ranks; collective (every rank calls it)."""
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if ep_size < 1 or world % ep_size:
+            raise ValueError(f"expert parallel size {ep_size} does not divide the world size {world}")
+        if ep_size == world:
+            return cls(rank % ep_size, ep_size, None)
+        mine = None
+        for start in range(0, world, ep_size):
+            group = dist.new_group(list(range(start, start + ep_size)))
+            if start <= rank < start + ep_size:
+                mine = group
+        return cls(rank % ep_size, ep_size, mine)
+
+    def owned(self, num_experts: int) -> range:
+        """The global indices of the experts this rank holds."""
+        if num_experts % self.size:
+            raise ValueError(f"{num_experts} experts do not split evenly over expert parallel size {self.size}")
+        per = num_experts // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+
+def _exchange_counts(send: torch.Tensor, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv
+
+
+def _exchange(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group, *, grad: bool) -> torch.Tensor:
+    """Rows of ``x`` split by ``send_counts`` to each rank; returns the rows received, split by ``recv_counts``."""
+    out = x.new_empty((sum(recv_counts),) + tuple(x.shape[1:]))
+    if grad:
+        import warnings
+
+        from torch.distributed.nn.functional import all_to_all_single
+
+        with warnings.catch_warnings():  # deprecated in favour of a private module; still the public autograd one
+            warnings.simplefilter("ignore", FutureWarning)
+            return all_to_all_single(out, x, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=group)
+    import torch.distributed as dist
+
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv_counts, input_split_sizes=send_counts,
+                           group=group)
+    return out
+
+
+class ExpertParallelExperts(nn.Module):
+    """Drop-in for transformers 5's fused experts module (and :class:`QuantExperts`) under expert parallelism.
+
+    Submodules are named by the experts' global indices (``experts.12.gate_proj`` on the rank that
+    owns expert 12), so checkpoint names, state dicts and adapters keep the checkpoint's layout.
+    """
+
+    def __init__(self, local_experts: dict[int, nn.Module], num_experts: int, act_fn, group: ExpertGroup) -> None:
+        super().__init__()
+        owned = group.owned(num_experts)
+        if sorted(local_experts) != list(owned):
+            raise ValueError(f"rank {group.rank} of {group.size} owns experts {owned.start}..{owned.stop - 1}, "
+                             f"got {sorted(local_experts)}")
+        self.num_experts, self.act_fn, self.ep = num_experts, act_fn, group
+        self.per_rank, self.first = len(owned), owned.start
+        for index, expert in local_experts.items():
+            self.add_module(str(index), expert)
+
+    def expert(self, index: int) -> nn.Module:
+        return getattr(self, str(index))
+
+    def _run_local(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The local experts on the rows that arrived, grouped by expert; the result keeps the rows' order."""
+        if x.shape[0] == 0:
+            return x + 0.0  # an empty exchange still joins the graph on every rank
+        rows_all, outs = [], []
+        for index in torch.unique(experts).tolist():
+            rows = (experts == index).nonzero().squeeze(-1)
+            expert = self.expert(index)
+            h = x[rows]
+            outs.append(expert.down_proj(self.act_fn(expert.gate_proj(h)) * expert.up_proj(h)))
+            rows_all.append(rows)
+        return torch.cat(outs)[torch.argsort(torch.cat(rows_all))]
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        tokens, k = top_k_index.shape
+        grad = torch.is_grad_enabled()
+        with torch.no_grad():
+            flat = top_k_index.reshape(-1)
+            owner = torch.div(flat, self.per_rank, rounding_mode="floor")
+            # by owner, then by expert: each owner receives its slots grouped by expert, in expert order
+            order = torch.argsort(flat, stable=True)
+            token_of = torch.div(order, k, rounding_mode="floor")
+            send_counts = torch.bincount(owner, minlength=self.ep.size)
+            recv_counts = _exchange_counts(send_counts, self.ep.group)
+            send_list, recv_list = send_counts.tolist(), recv_counts.tolist()
+            recv_experts = _exchange(flat[order], send_list, recv_list, self.ep.group, grad=False)
+        sent = _exchange(hidden_states[token_of], send_list, recv_list, self.ep.group, grad=grad)
+        done = self._run_local(sent, recv_experts)
+        back = _exchange(done, recv_list, send_list, self.ep.group, grad=grad)
+        weights = top_k_weights.reshape(-1)[order]
+        final = hidden_states.new_zeros(hidden_states.shape)
+        return final.index_add(0, token_of, (back * weights[:, None]).to(final.dtype))
+
+
+class Lockstep:
+    """Keeps the ranks of an expert-parallel run calling the model the same number of times.
+
+    ``all_done(flag)``: True once every rank is done (a sampler that finished early keeps decoding
+    padding until then). ``rounds(n)``: the largest ``n`` over the ranks (a rank with fewer batches runs
+    filler batches whose results it drops). Without a process group both are the identity.
+    """
+
+    def __init__(self, group: Any = None, active: bool = True) -> None:
+        self.group, self.active = group, active
+
+    def _reduce(self, value: int, op) -> int:
+        import torch.distributed as dist
+
+        if not self.active or not dist.is_initialized() or dist.get_world_size(self.group) == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=op, group=self.group)
+        return int(t.item())
+
+    def all_done(self, done: bool) -> bool:
+        import torch.distributed as dist
+
+        return bool(self._reduce(int(done), dist.ReduceOp.MIN))
+
+    def rounds(self, n: int) -> int:
+        import torch.distributed as dist
+
+        return self._reduce(int(n), dist.ReduceOp.MAX)
+
+
+SOLO = Lockstep(active=False)
+"""The lockstep of a model without expert parallelism: nothing to wait for."""
