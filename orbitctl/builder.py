@@ -115,11 +115,13 @@ def load_policy(profile, base: PreparedBase, device: str | None = None):
     from orbitctl.model.adapters import attach_bottleneck, attach_lora
     from orbitctl.model.frozen_base import load_frozen_base
     from orbitctl.model.cpu_dtype import torch_dtype
+    from orbitctl.model.expert_parallel import Lockstep
     from orbitctl.model.policy import Policy
 
     device = device or policy_device(profile)
+    experts = expert_group(profile)
     model = load_frozen_base(str(base.quantized_dir), device=device,
-                             compute_dtype=torch_dtype(profile.quant.compute_dtype, device))
+                             compute_dtype=torch_dtype(profile.quant.compute_dtype, device), experts=experts)
     tok_dir = base.quantized_dir if (base.quantized_dir / "tokenizer.json").exists() or base.source_dir is None else base.source_dir
     tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
     tokenizer.padding_side = "left"
@@ -130,4 +132,19 @@ def load_policy(profile, base: PreparedBase, device: str | None = None):
     model, report = attach(model, profile.adapter, hidden, seed=profile.run.seed)
     report = replace(report, dtypes=cpu_dtype.dtype_summary(profile, device))
     return Policy(model, tokenizer, report, hidden_size=hidden, adapter_kind=profile.adapter.kind,
-                  gradient_checkpointing=profile.memory.gradient_checkpointing)
+                  gradient_checkpointing=profile.memory.gradient_checkpointing,
+                  lockstep=Lockstep() if experts is not None else None)
+
+
+def expert_group(profile):
+    """This rank's expert-parallel group (:class:`~orbitctl.model.expert_parallel.ExpertGroup`), or None: no
+    expert parallelism asked, or one process alone, which then holds every expert."""
+    if profile.memory.expert_parallel <= 1:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    from orbitctl.model.expert_parallel import ExpertGroup
+
+    return ExpertGroup.of_world(profile.memory.expert_parallel)

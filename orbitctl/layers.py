@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("data",),
     ("builder",),
     ("rl", "align", "doctor"),
+    ("launch",),
     ("cli",),
 )
 """Lowest first. What each layer is for is in docs/architecture.md."""

@@ -3,6 +3,9 @@
     orbitctl plan profiles/kimi-k2_grpo_int4_8xb200.yaml
     orbitctl plan profiles/llama-3.1-8b_grpo_qlora-nf4_1x24g.yaml --json
     orbitctl plan profiles/kimi-k2_grpo_int4_8xh200.yaml --sweep memory.micro_batch_size=1,2,4,8
+
+Renders what orbitctl.plan computes: the memory table, the verdict, the communication of one
+RL step and the comparison of base layouts; no rule of its own.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import typer
 
 from orbitctl.cli import output
 from orbitctl.cli.common import JsonOption, SetOption, overrides
-from orbitctl.units import MiB, gib
+from orbitctl.units import GiB, MiB, TiB, gib
 
 
 
@@ -87,6 +90,12 @@ def _render(result) -> None:
     _line(f"params: {plan.params_total / 1e9:.1f} B total, {plan.params_active / 1e9:.1f} B active, "
           f"{plan.params_trainable / 1e6:.1f} M trainable; largest micro-batch that fits: {plan.max_micro_batch}; "
           f"host RAM {gib(plan.host_bytes)} of {gib(plan.host_capacity_bytes)} GiB per node")
+    if plan.communication is not None and plan.communication.total_bytes:
+        output.show(_comm_table(plan.communication))
+        _line(_comm_line(plan.communication))
+    if plan.layouts:
+        output.show(_layouts_table(plan.layouts))
+        _line("*: the profile's layout; green: the least traffic of the layouts that run (max mb > 0)")
     for note in plan.notes:
         _line(f"note: {note}")
     if plan.advice:
@@ -96,6 +105,61 @@ def _render(result) -> None:
             _line(f"  {i}. {advice.text}   [dim]{flags}[/dim]")
     if result.measurement is not None:
         output.show(_measure_table(result.measurement))
+
+
+def _unit(rows) -> tuple[str, int]:
+    """The layouts table's unit: the largest of TiB, GiB, MiB that some layout's total reaches."""
+    most = max(r["total_bytes"] for r in rows)
+    return next(((name, size) for name, size in (("TiB", TiB), ("GiB", GiB)) if most >= size), ("MiB", MiB))
+
+
+def _in(n: float, unit: int) -> str:
+    return f"{n / unit:,.0f}" if n >= 100 * unit else f"{n / unit:.2f}"
+
+
+def _seconds(s: float | None) -> str:
+    """'28.1 s', '5.4 min', '7.9 h'; '-' when the GPU has no peer-link figure (CPU ranks)."""
+    if s is None:
+        return "-"
+    return f"{s / 3600:.1f} h" if s >= 3600 else (f"{s / 60:.0f} min" if s >= 100 else f"{s:.1f} s")
+
+
+def _comm_table(comm):
+    from orbitctl.plan import COMM_TERMS
+    from orbitctl.plan.comm import bytes_text
+
+    table = output.table(f"one RL step, {comm.layout}: bytes each GPU sends", ("term", "bytes"))
+    for term in COMM_TERMS:
+        table.add_row(term, bytes_text(comm.terms[term]))
+    table.add_section()
+    table.add_row("total", bytes_text(comm.total_bytes))
+    return table
+
+
+def _comm_line(comm) -> str:
+    step = comm.shape
+    return (f"RL step per GPU: {step.sequences} completions in {step.rollout_rounds} rollout round(s) of "
+            f"{step.rollout_forwards} forwards, {step.micro_batches} micro-batches of {step.tokens_per_micro_batch} "
+            f"tokens; at least {_seconds(comm.link_seconds)} of traffic on the GPU links")
+
+
+def _layouts_table(rows):
+    from rich import box
+
+    name, unit = _unit(rows)
+    table = output.table(f"base layouts: peak GiB per GPU; {name} each GPU sends per RL step",
+                         ("EP", "dense", "peak", "max mb", "gather", "a2a", "reduce", "total", ">= time"),
+                         left=("dense",), no_wrap=True)
+    table.box, table.pad_edge = box.SIMPLE_HEAD, False
+    for row in rows:
+        b = row["bytes"]
+        peak = gib(row["peak_bytes"], 1)
+        cells = [str(row["expert_parallel"]) + ("*" if row["current"] else ""), row["dense_layout"],
+                 peak if row["fits"] else f"[red]{peak}[/red]", str(row["max_micro_batch"]), _in(b["gathered"], unit),
+                 _in(b["exchanged"], unit), _in(b["all_reduce"], unit), _in(row["total_bytes"], unit),
+                 _seconds(row["link_seconds"])]
+        table.add_row(*(f"[bold green]{c}[/bold green]" if row["best"] else c for c in cells))
+    return table
 
 
 def _measure_table(m):

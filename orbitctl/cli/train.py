@@ -21,9 +21,13 @@ def train_command(
     set_: Optional[List[str]] = SetOption,
     fresh: bool = typer.Option(False, "--fresh", help="Start over instead of resuming the run directory's newest checkpoint."),
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Optimizer steps (overrides rl.steps)."),
+    hostfile: Optional[str] = typer.Option(None, "--hostfile", metavar="FILE",
+                                           help="hardware.nodes > 1: DeepSpeed hostfile, one 'host slots=N' line per node."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", metavar="ADDR",
+                                              help="hardware.nodes > 1: the address of the first node."),
     json_out: bool = JsonOption,
 ) -> None:
-    """Train adapters with GRPO/PPO; rerunning the same command resumes from the newest checkpoint.
+    """Train adapters with GRPO/PPO on the profile's ranks (started here); rerunning resumes from the newest checkpoint.
 
     Examples:
 
@@ -33,12 +37,13 @@ def train_command(
 
         orbitctl train profiles/tiny-cpu.yaml --fresh --json
     """
-    from orbitctl.rl import api
+    from orbitctl.launch import api
 
     profile = api.load_train_profile(profile_path, overrides(set_))
     view = None if json_out else LiveView(profile.rl.steps if steps is None else steps, profile.run.log_every)
     try:
-        result = api.train(profile, fresh=fresh, steps=steps, on_event=view.event if view else None)
+        result = api.train(profile, fresh=fresh, steps=steps, on_event=view.event if view else None,
+                           hostfile=hostfile, master_addr=master_addr)
     finally:
         if view:
             view.close()

@@ -39,7 +39,8 @@ class WarmStart:
 
 
 def demo_config(arch: str) -> dict:
-    """The catalog's config with the fields a tiny llama needs filled in; vocab must match the charset."""
+    """The catalog's config with the fields a tiny model needs filled in (a llama unless the catalog names
+    another model type); vocab must match the charset."""
     from orbitctl.arch.catalog import builtin_config
     from orbitctl.errors import UserError
 
@@ -62,13 +63,14 @@ def recipe_key(config: dict, task, warm: WarmStart, extra: dict | None = None) -
 def build_demo_checkpoint(out_dir: str | Path, config: dict, task, warm: WarmStart) -> dict:
     """Write config.json, model.safetensors (bf16) and tokenizer.json to ``out_dir``; return warm-start stats."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from orbitctl.model.charset import build_char_tokenizer
 
     out_dir = Path(out_dir)
     torch.manual_seed(warm.seed)
-    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"}))
+    fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **fields), dtype=torch.float32)
     # The output layer stays at a wide random init through the warm start. Trained on random
     # answers, it would pull every digit's row together; the frozen lm_head then leaves the
     # adapters no direction that separates one digit from another, and RL cannot move the

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from orbitctl.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ class ExpertGroup:
     def owned(self, num_experts: int) -> range:
         """The global indices of the experts this rank holds."""
         if num_experts % self.size:
-            raise ValueError(f"{num_experts} experts do not split evenly over expert parallel size {self.size}")
+            raise UserError(f"memory.expert_parallel: {num_experts} routed experts do not split evenly over {self.size} ranks",
+                            fix=f"use an expert-parallel size that divides {num_experts}")
         per = num_experts // self.size
         return range(self.rank * per, (self.rank + 1) * per)
 

@@ -58,8 +58,12 @@ class Policy:
     """Frozen base + adapters; ``model`` is a PeftModel (LoRA) or the base with bottleneck layers."""
 
     def __init__(self, model, tokenizer, report: AdapterReport, *, hidden_size: int, adapter_kind: str,
-                 gradient_checkpointing: bool = True) -> None:
+                 gradient_checkpointing: bool = True, lockstep=None) -> None:
+        from orbitctl.model.expert_parallel import SOLO
+
         self.model = model
+        self.lockstep = lockstep or SOLO
+        """Keeps expert-parallel ranks calling the model alike (:class:`~orbitctl.model.expert_parallel.Lockstep`)."""
         self.tokenizer = tokenizer
         self.report = report
         self.hidden_size = hidden_size
@@ -149,7 +153,7 @@ class Policy:
                 finished = finished | (token == self.eos_id)
                 if forced is not None:  # done where no forced token is left (an empty slice: all done)
                     finished = ~forced_mask[:, step + 1:].bool().any(-1)
-                if bool(finished.all()):
+                if self.lockstep.all_done(bool(finished.all())):  # under EP every rank decodes until all are done
                     break
                 mask = torch.cat([mask, alive.long()[:, None]], dim=-1)
                 out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos,
@@ -161,6 +165,12 @@ class Policy:
 
         return Samples(prompt_ids.cpu(), prompt_mask.cpu(), host(tokens), host(keep), host(logps), host(dists),
                        host(raw), host(hidden))
+
+    def filler(self):
+        """A one-token batch for a rank that has run out of work while others have not (see ``lockstep``)."""
+        import torch
+
+        return torch.full((1, 1), self.pad_id, dtype=torch.long), torch.ones((1, 1), dtype=torch.long)
 
     def decode(self, completion_ids, completion_mask) -> list[str]:
         rows = []

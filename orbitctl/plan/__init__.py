@@ -3,6 +3,7 @@
     from orbitctl.plan import plan_profile
     plan = plan_profile(load_profile("profiles/kimi-k2_grpo_int4_8xb200.yaml"))
     plan.fits, plan.peak_bytes, plan.max_micro_batch, plan.advice
+    plan.communication.terms, plan.layouts     # bytes one RL step sends per GPU; the layouts compared
 
 Imports no torch: every number comes from the ArchSpec and the formulas in docs/plan.md.
 ``measure_profile`` (the FakeTensorMode calibration) imports torch lazily.
@@ -16,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from orbitctl.errors import ProfileError, UserError
-from orbitctl.plan.advice import advise, max_micro_batch
+from orbitctl.plan.advice import advise, compare_layouts, layout_notes, max_micro_batch
 from orbitctl.plan.budget import evaluate, prepare
+from orbitctl.plan.comm import COMM_TERMS
 from orbitctl.plan.result import COMPONENTS, PHASES, Advice, MemoryPlan
 
 __all__ = ["plan_profile", "plan_sweep", "apply_changes", "measure_profile", "MemoryPlan", "Advice",
-           "COMPONENTS", "PHASES"]
+           "COMPONENTS", "COMM_TERMS", "PHASES"]
 
 
 @lru_cache(maxsize=32)
@@ -63,22 +65,35 @@ def apply_changes(profile, change: dict[str, Any]):
     return validate_profile(data, f"profile '{profile.name}'")
 
 
-def plan_profile(profile, *, gpu_memory_bytes: int | None = None, with_advice: bool = True) -> MemoryPlan:
-    """Plan a validated Profile; ``gpu_memory_bytes`` overrides the per-GPU capacity (e.g. free memory now)."""
-    arch = _arch(profile)
-    inputs = prepare(profile, arch)
+def _searched(profile, inputs, gpu_memory_bytes: int | None) -> MemoryPlan:
+    """One plan with its largest fitting micro-batch."""
     plan = evaluate(profile, inputs, gpu_memory_bytes=gpu_memory_bytes)
     plan.max_micro_batch = max_micro_batch(
         lambda mb: evaluate(profile, inputs, gpu_memory_bytes=gpu_memory_bytes, micro_batch=mb).fits)
+    return plan
+
+
+def plan_profile(profile, *, gpu_memory_bytes: int | None = None, with_advice: bool = True) -> MemoryPlan:
+    """Plan a validated Profile; ``gpu_memory_bytes`` overrides the per-GPU capacity (e.g. free memory now).
+
+    With advice it also compares the base layouts (expert parallelism x dense layout) by peak and
+    by the bytes one RL step sends: ``plan.layouts``."""
+    arch = _arch(profile)
+    plan = _searched(profile, prepare(profile, arch), gpu_memory_bytes)
     if with_advice:
-        def replan(change: dict[str, Any]) -> MemoryPlan | None:
+        def replan(change: dict[str, Any], search: bool = False) -> MemoryPlan | None:
             try:
                 other = apply_changes(profile, change)
             except (ProfileError, UserError):
                 return None
-            return evaluate(other, prepare(other, _arch(other)), gpu_memory_bytes=gpu_memory_bytes)
+            inputs = prepare(other, _arch(other))
+            if search:
+                return _searched(other, inputs, gpu_memory_bytes)
+            return evaluate(other, inputs, gpu_memory_bytes=gpu_memory_bytes)
 
         plan.advice = advise(profile, plan, arch, replan)
+        plan.layouts = compare_layouts(profile, plan, arch, lambda change: replan(change, search=True))
+        plan.notes += layout_notes(plan.layouts)
     return plan
 
 

@@ -4,6 +4,10 @@ Candidates come in the order an operator would try them (cheapest to the run fir
 micro-batch, checkpointing, chunked loss, activation offload, INT4, ZeRO-3, expert
 parallelism, prefetch depth, engine sleep/sharing, KV dtype, adapter targets, optimizer
 offload, shorter sequences, more GPUs. Fitting suggestions come first.
+
+The layout comparison re-plans the frozen base's placements (expert parallelism 1 or the
+widest P, dense part sharded or replicated): peak, largest micro-batch and the bytes one RL
+step sends, so the fitting layout that moves the least stands out.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from orbitctl.plan.result import Advice, MemoryPlan
+from orbitctl.plan.comm import bytes_text
+from orbitctl.plan.layout import widest_expert_parallel
+from orbitctl.plan.result import Advice, MemoryPlan, set_values
 from orbitctl.units import GiB
 
 MAX_MICRO_BATCH = 4096
@@ -60,11 +66,15 @@ def _candidates(profile, plan: MemoryPlan, arch) -> list[tuple[dict[str, Any], s
         out.append(({"quant.format": "int4", "quant.group_size": 128 if quant.group_size not in (32, 64, 128) else quant.group_size},
                     f"store the base as INT4 instead of {quant.format}"))
     if mem.zero_stage < 3:
-        out.append(({"memory.zero_stage": 3}, "ZeRO-3: shard the frozen base across GPUs"))
-    if arch.is_moe and mem.expert_parallel == 1 and hw.gpus_per_node > 1 and mem.zero_stage == 3:
-        ep = max(d for d in range(1, hw.gpus_per_node + 1) if hw.gpus_per_node % d == 0 and arch.num_experts % d == 0)
+        what = "dense base (the routed experts stay expert-parallel)" if mem.expert_parallel > 1 and arch.is_moe \
+            else "base"
+        out.append(({"memory.zero_stage": 3}, f"ZeRO-3: shard the frozen {what} across GPUs, gathered layer by layer"))
+    if arch.is_moe and mem.expert_parallel == 1:
+        ep = widest_expert_parallel(arch.num_experts, hw.gpus_per_node)
         if ep > 1:
-            out.append(({"memory.expert_parallel": ep}, f"expert parallelism {ep}: gather 1/{ep} of each MoE layer"))
+            out.append(({"memory.expert_parallel": ep},
+                        f"expert parallelism {ep}: each GPU keeps {arch.num_experts // ep} of the {arch.num_experts} "
+                        "routed experts of every MoE layer and never gathers them (tokens travel by all-to-all)"))
     if mem.prefetch_layers > 0 and mem.zero_stage == 3:
         out.append(({"memory.prefetch_layers": 0}, "no ZeRO-3 prefetch (one gathered layer at a time; slower)"))
     if ro.engine == "separate" and not ro.engine_sleep:
@@ -126,3 +136,63 @@ def _combine(candidates, plan: MemoryPlan, replan) -> Advice | None:
     if len(texts) < 2:
         return None
     return _advice(change, "together: " + "; ".join(texts), best)
+
+
+def _layout_changes(profile, arch) -> list[dict[str, Any]]:
+    """Changes to each base layout: (EP 1 | widest P) x (dense sharded | replicated), the profile's own first."""
+    mem, hw = profile.memory, profile.hardware
+    eps = sorted({1, widest_expert_parallel(arch.num_experts, hw.gpus_per_node)})
+    changes: list[dict[str, Any]] = [{}]
+    for ep in eps:
+        for stage in (3, min(mem.zero_stage, 2)):
+            change: dict[str, Any] = {"memory.expert_parallel": ep, "memory.zero_stage": stage}
+            if mem.dense_layout != "auto":
+                change["memory.dense_layout"] = "sharded" if stage == 3 else "replicated"
+            if stage < 3:  # a replicated base has no ZeRO-3 partitions to offload
+                change["memory.offload_params"] = "none"
+            current = {"memory.expert_parallel": mem.expert_parallel, "memory.zero_stage": mem.zero_stage,
+                       "memory.dense_layout": mem.dense_layout, "memory.offload_params": mem.offload_params}
+            change = {k: v for k, v in change.items() if current[k] != v}
+            if change not in changes:
+                changes.append(change)
+    return changes
+
+
+def compare_layouts(profile, plan: MemoryPlan, arch, replan: Callable[[dict[str, Any]], MemoryPlan | None]) -> list[dict]:
+    """One row per base layout: its change (``--set`` values), peak, fit, largest micro-batch and the bytes
+    one RL step sends per GPU; ``best`` marks the fitting layout (at its largest micro-batch) that sends the
+    least. Empty on one GPU, where there is nothing to place."""
+    if profile.world_size == 1:
+        return []
+    rows = []
+    for change in _layout_changes(profile, arch):
+        other = plan if not change else replan(change)
+        if other is None:  # the change is not a valid profile (e.g. parameter offload needs ZeRO-3)
+            continue
+        comm = other.communication
+        rows.append({"layout": comm.layout, "expert_parallel": other.details["expert_parallel"],
+                     "dense_layout": other.details["dense_layout"], "change": change, "set": set_values(change), "current": not change,
+                     "peak_bytes": other.peak_bytes, "fits": other.fits, "max_micro_batch": other.max_micro_batch,
+                     "bytes": comm.by_kind(), "total_bytes": comm.total_bytes,
+                     "link_seconds": None if comm.link_seconds is None else round(comm.link_seconds, 3),
+                     "best": False})
+    if len(rows) < 2:
+        return []
+    runnable = [r for r in rows if r["max_micro_batch"] > 0]
+    if runnable:
+        min(runnable, key=lambda r: r["total_bytes"])["best"] = True
+    return rows
+
+
+def layout_notes(rows: list[dict]) -> list[str]:
+    """A note when another layout that can run sends less than half the profile's own bytes per RL step."""
+    current = next((r for r in rows if r["current"]), None)
+    best = next((r for r in rows if r["best"]), None)
+    if current is None or best is None or best is current or 2 * best["total_bytes"] >= current["total_bytes"]:
+        return []
+    if best["fits"]:
+        where = f"fits (peak {best['peak_bytes'] / GiB:.1f} GiB)"
+    else:
+        where = f"fits with memory.micro_batch_size <= {best['max_micro_batch']}"
+    return [f"layout {best['layout']} sends {bytes_text(best['total_bytes'])} per GPU per RL step instead of "
+            f"{bytes_text(current['total_bytes'])} and {where}: --set " + " --set ".join(best["set"])]

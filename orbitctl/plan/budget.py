@@ -3,7 +3,9 @@
 Phases: ``policy_update`` (forward + backward + optimizer step of one micro-batch),
 ``rollout`` (decoding the rollout batch with a KV cache), ``adapter_sync`` (the full
 adapter gathered for a separate engine or a checkpoint). Components resident in every phase
-(context, communicators, base shard, adapter states) appear in each.
+(context, communicators, base shard, routed experts, adapter states) appear in each. The
+placement of the base (expert parallelism, dense layout) is ``layout.py``'s; the bytes one RL
+step sends are ``comm.py``'s and ride along in the plan.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 from orbitctl.arch.spec import ArchSpec
 from orbitctl.plan.activations import ActivationSettings, train_activations
 from orbitctl.plan.adapters import AdapterPlan, plan_adapters
+from orbitctl.plan.comm import all_to_all_buffers, bytes_text, communication, compute_dtype_bytes, rollout_batch
+from orbitctl.plan.layout import Layout, gather_units, gather_window, host_base, layout_of, resident_base
 from orbitctl.plan.result import MemoryPlan
 from orbitctl.plan.states import model_states
 from orbitctl.plan.storage import BaseStorage, base_storage, quant_format
@@ -45,23 +49,10 @@ def gpu_capacity(profile, override: int | None = None) -> int:
     return int(override) if override is not None else profile.hardware.memory_bytes()
 
 
-def _gather(profile, storage: BaseStorage) -> float:
-    """ZeRO-3's largest window of gathered units in execution order (current + prefetch)."""
-    mem = profile.memory
-    if mem.zero_stage != 3 and mem.offload_params != "cpu":
-        return 0.0
-    ep = mem.expert_parallel
-    units = [storage.embedding_bytes]
-    units += [total - experts + experts / ep for total, experts in zip(storage.layer_bytes, storage.layer_expert_bytes)]
-    units.append(storage.lm_head_bytes)
-    window = 1 + mem.prefetch_layers
-    return max(sum(units[i:i + window]) for i in range(len(units)))
-
-
 def _kv_cache(profile, arch: ArchSpec, mb: int) -> tuple[float, int]:
     """KV bytes per GPU of the rollout batch, and the sequences decoded per GPU."""
     ro = profile.rollout
-    seqs = ro.batch_size or mb * profile.rl.group_size
+    seqs = rollout_batch(profile, mb)
     kv_bytes = 1 if ro.kv_dtype == "fp8" else 2
     tp = ro.engine_tp if ro.engine == "separate" else 1
     per_token = arch.num_layers * arch.kv_elements_per_token_layer() * kv_bytes
@@ -86,6 +77,22 @@ def _rollout_working(profile, arch: ArchSpec, seqs: int) -> float:
     return float(tokens * per_token + seqs * arch.vocab_size * 10)
 
 
+def _layout_notes(arch: ArchSpec, layout: Layout, storage: BaseStorage) -> list[str]:
+    """What expert parallelism does here, or why it does nothing."""
+    p = layout.expert_parallel
+    if p == 1:
+        return []
+    if not arch.is_moe:
+        return [f"memory.expert_parallel: {p} on a model without routed experts: nothing to split"]
+    notes = []
+    if arch.num_experts % p:
+        notes.append(f"{arch.num_experts} routed experts over {p} ranks: up to {layout.experts_per_rank} per rank")
+    notes.append(f"expert parallelism {p}: each GPU holds {layout.experts_per_rank} of the {arch.num_experts} routed "
+                 f"experts of every MoE layer ({storage.expert_bytes * layout.expert_share / GiB:.1f} GiB), never "
+                 "gathered; tokens reach their experts by all-to-all")
+    return notes
+
+
 def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
              micro_batch: int | None = None) -> MemoryPlan:
     """One full plan (no max-batch search, no advice)."""
@@ -96,8 +103,10 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
     on_gpu = hw.gpu != "cpu"
     notes: list[str] = []
 
+    layout = layout_of(profile, arch.num_experts)
+
     # ---- fixed ------------------------------------------------------------------------------
-    communicators = (1 if world > 1 else 0) + (1 if mem.expert_parallel > 1 else 0) + (
+    communicators = (1 if world > 1 else 0) + (1 if layout.expert_parallel_on else 0) + (
         1 if ro.engine == "separate" and ro.engine_tp > 1 else 0)
     fixed = {
         "cuda_context": CUDA_CONTEXT if on_gpu else 0,
@@ -107,22 +116,20 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
     }
 
     # ---- frozen base ------------------------------------------------------------------------
-    shard = world if mem.zero_stage == 3 else 1
-    offloaded = mem.offload_params == "cpu"
-    base_gpu = 0.0 if offloaded else storage.sharded_bytes / shard + storage.unshardable_bytes
     fmt = quant_format(profile.quant)
-    if not fmt.shardable and mem.zero_stage == 3:
+    if not fmt.shardable and layout.sharded:
         notes.append("quant.storage_dtype uint8: ZeRO-3 cannot partition bitsandbytes' packed uint8 weights; "
                      "set quant.storage_dtype: bf16 to shard them")
     if storage.replicated_bytes and fmt.shardable:
         notes.append("bitsandbytes quant_state (absmax) is not a parameter: every rank keeps all of it")
-    gather = _gather(profile, storage)
+    notes += _layout_notes(arch, layout, storage)
+    gather = gather_window(gather_units(storage, layout), mem.prefetch_layers)
     dequant = float(storage.largest_dequant_bytes)
     if ad.adapts_routed_experts:
         notes.append("adapters on routed experts: PEFT builds every expert's bf16 weight per MoE layer "
                      f"({storage.layer_expert_bf16_bytes / GiB:.1f} GiB); prefer adapter.targets: attention+shared")
-    resident_base = {"base_weights": int(base_gpu),
-                     "quant_state_replicated": 0 if offloaded else int(storage.replicated_bytes)}
+    base = {k: int(v) for k, v in resident_base(storage, layout).items()}
+    cdt = compute_dtype_bytes(profile)
 
     # ---- adapter states ---------------------------------------------------------------------
     states = model_states(
@@ -144,22 +151,30 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
     rollout_work = _rollout_working(profile, arch, seqs)
     separate = ro.engine == "separate"
     engine = storage.total_bytes / ro.engine_tp if separate else 0.0
-    if not separate and mem.zero_stage == 3 and world > 1:
-        notes.append("rollout on the ZeRO-3 shard gathers every layer for every decoded token: memory-safe but slow")
+    prefill = seqs * max(1, mem.seq_len - ro.max_new_tokens)  # the prompts' one forward: the largest exchange
+    a2a_update = all_to_all_buffers(arch, layout, st.tokens, cdt)
+    a2a_rollout = 0.0 if separate else all_to_all_buffers(arch, layout, prefill, cdt)
+    comm = communication(profile, arch, storage, layout, ad, micro_batch=mb)
+    if not separate and layout.sharded and world > 1:
+        what = "every layer's dense part" if layout.expert_parallel_on else "every layer"
+        notes.append(f"rollout on the ZeRO-3 shard gathers {what} for every decoded token: "
+                     f"{bytes_text(comm.terms['zero3_gather_rollout'])} sent per GPU per RL step")
 
     if arch.mtp_layers:
         notes.append(f"{arch.mtp_layers} next-token-prediction (MTP) layer(s), {arch.mtp_params / 1e9:.1f} B parameters, "
                      "are not loaded for RL and not planned")
-    resident = {**fixed, **resident_base, **resident_states}
+    resident = {**fixed, **base, **resident_states}
     asleep = separate and ro.engine_sleep
     engine_during_update = {} if (not separate or asleep) else {"engine_weights": int(engine),
                                                                 "rollout_kv_cache": int(kv)}
     phases = {
         "policy_update": {**resident, "zero3_gather": int(gather), "dequant_transient": int(dequant),
+                          "all_to_all_buffers": int(a2a_update),
                           "adapter_gathered": int(states.gathered), "activations": int(acts.activations),
                           "logits_loss": int(acts.logits), **engine_during_update},
         "rollout": {**resident, **({"engine_weights": int(engine)} if separate else
-                                   {"zero3_gather": int(gather), "dequant_transient": int(dequant)}),
+                                   {"zero3_gather": int(gather), "dequant_transient": int(dequant),
+                                    "all_to_all_buffers": int(a2a_rollout)}),
                     "rollout_kv_cache": int(kv), "rollout_activations": int(rollout_work)},
         "adapter_sync": {**resident, "adapter_sync": int(2 * ad.trainable_params),
                          **({"engine_weights": int(engine)} if separate else {})},
@@ -173,8 +188,7 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
         "processes": PROCESS_HOST_BYTES * gpn,
         "offloaded_activations": int(acts.saved_boundaries_host * gpn),
         "offloaded_optimizer": int(states.host),
-        "offloaded_base": int((storage.sharded_bytes + storage.unshardable_bytes) / nodes
-                              + storage.replicated_bytes * gpn) if offloaded else 0,
+        "offloaded_base": int(host_base(storage, layout, gpn, nodes)),
         "sleeping_engine": int(engine * gpn) if asleep else 0,
         "load_path": int(4 * arch.largest_layer_params),
     }
@@ -188,5 +202,9 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
                  "activation_peak_moment": acts.moment, "quant_bits_per_weight": round(fmt.bits, 4),
                  "base_total_bytes": int(storage.total_bytes), "adapter_rank": ad.rank,
                  "rollout_sequences_per_gpu": seqs, "mtp_params_excluded": arch.mtp_params,
-                 "adapts_routed_experts": ad.adapts_routed_experts},
+                 "adapts_routed_experts": ad.adapts_routed_experts, "layout": layout.name,
+                 "expert_parallel": layout.expert_parallel if layout.expert_parallel_on else 1,
+                 "dense_layout": layout.dense, "routed_experts_per_gpu": layout.experts_per_rank,
+                 "routed_expert_total_bytes": int(storage.expert_bytes)},
+        communication=comm,
     )

@@ -13,10 +13,13 @@ COMPONENTS = {
     "cuda_context": "CUDA context, kernels and cuBLAS workspace",
     "nccl": "NCCL communicator buffers",
     "zero_buckets": "DeepSpeed reduce buckets (overlap_comm)",
-    "base_weights": "frozen base shard in its stored format",
+    "base_weights": "frozen dense base (all but the routed experts), stored format: replicated or ZeRO-3 shard",
+    "routed_experts": "routed experts this rank holds: E/P of every MoE layer under expert parallelism, "
+                      "else their ZeRO-3 shard (or all, replicated)",
     "quant_state_replicated": "quantization metadata every rank keeps whole",
-    "zero3_gather": "ZeRO-3 gathered layers (current + prefetch)",
+    "zero3_gather": "ZeRO-3 gathered units (current + prefetch); no routed experts under expert parallelism",
     "dequant_transient": "bf16 copy of the weight being dequantized",
+    "all_to_all_buffers": "expert-parallel dispatch/combine buffers of the MoE layer in flight (send + receive)",
     "adapter_weights": "trainable adapter weights",
     "adapter_grads": "adapter gradients",
     "optimizer_master": "fp32 master copy of the adapters",
@@ -75,6 +78,10 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     advice: list = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
+    communication: Any = None
+    """orbitctl.plan.comm.Communication: the bytes one RL step sends per GPU in this layout."""
+    layouts: list[dict] = field(default_factory=list)
+    """The base layouts compared (orbitctl.plan.layouts.compare_layouts), empty for a dense model or one GPU."""
 
     @property
     def phase_peak_bytes(self) -> dict[str, int]:
@@ -138,4 +145,6 @@ class MemoryPlan:
             "advice": [a.to_dict() for a in self.advice],
             "notes": list(self.notes),
             "details": dict(self.details),
+            "communication": self.communication.to_dict() if self.communication is not None else None,
+            "layouts": [dict(row) for row in self.layouts],
         }

@@ -363,6 +363,10 @@ class Profile(Section):
                 "memory.offload_params: 'cpu' without memory.offload_optimizer: 'cpu' keeps optimizer state "
                 "on the GPU while parameters are offloaded; set memory.offload_optimizer: cpu"
             )
+        world = self.hardware.gpus_per_node * self.hardware.nodes
+        if world % self.memory.expert_parallel:
+            raise ValueError(f"memory.expert_parallel: {self.memory.expert_parallel} does not divide the "
+                             f"{world} ranks (hardware.gpus_per_node x hardware.nodes); use a divisor of {world}")
         return self
 
     # Derived values: computed, never configured.

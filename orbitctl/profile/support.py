@@ -67,9 +67,14 @@ _RULES: tuple[_Rule, ...] = (
     _Rule("rollout.kv_dtype", (VERIFY_INTERNAL,), lambda v, p: v != "bf16",
           "is not built by the internal check: its infer path keeps the KV cache in quant.compute_dtype",
           "set rollout.kv_dtype: bf16, or compare an engine that stores fp8 KV with --rollouts FILE"),
-    _Rule("memory.expert_parallel", (TRAIN,), lambda v, p: v != 1,
-          "is not built by train: experts are sharded by ZeRO only, never split over expert-parallel ranks",
-          f"set memory.expert_parallel: 1 for train; {_PLAN_MODELS_IT}"),
+    _Rule("memory.expert_parallel", (TRAIN,), lambda v, p: v != 1 and p.quant.format not in ("int4", "fp8"),
+          "splits the routed experts over ranks only when orbitctl loads them: quant.format int4 or fp8 "
+          "(nf4/fp4 keep transformers' fused bf16 experts)",
+          "set quant.format: int4 (or fp8), or memory.expert_parallel: 1"),
+    _Rule("memory.expert_parallel", (TRAIN,), lambda v, p: v != 1 and p.adapter.targets in ("all-linear", "attention+mlp"),
+          "splits the routed experts over ranks, and adapters on them would be averaged across ranks that hold "
+          "different experts",
+          "set adapter.targets: attention+shared (or attention), or memory.expert_parallel: 1"),
     _Rule("memory.offload_params", (TRAIN,), lambda v, p: v != "none",
           "is not built by train: its DeepSpeed config offloads the optimizer state only, never the parameters",
           f"set memory.offload_params: none for train; {_PLAN_MODELS_IT}"),

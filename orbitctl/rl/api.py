@@ -27,6 +27,11 @@ def load_train_profile(path: str, overrides: list[str] | tuple[str, ...] = ()):
     return profile
 
 
+def refuse_before_launch(profile) -> None:
+    """The checks :func:`train` makes before anything is built, made once before ranks are started."""
+    refuse_unsupported(profile, TRAIN)
+
+
 def train(profile, *, fresh: bool = False, steps: int | None = None, on_event: EventFn | None = None) -> TrainResult:
     """Run (or resume) the profile's RL training; returns what it did. Raises RunFailed on a failed run."""
     import torch
@@ -34,7 +39,7 @@ def train(profile, *, fresh: bool = False, steps: int | None = None, on_event: E
     from orbitctl.rl.engine import close_process_group, ensure_process_group
     from orbitctl.rl.trainer import run_loop
 
-    refuse_unsupported(profile, TRAIN)  # a value only plan models: exit 2 before anything is built
+    refuse_before_launch(profile)  # a value only plan models: exit 2 before anything is built
     if steps is not None:
         profile = profile.model_copy(update={"rl": profile.rl.model_copy(update={"steps": steps})})
     rank, world = ensure_process_group()

@@ -59,12 +59,20 @@ def sample_groups(policy, items: list[PromptItem], *, group_size: int, batch_siz
     """Sample ``group_size`` completions for every item in chunks of ``batch_size`` sequences."""
     expanded = [it for it in items for _ in range(group_size)]
     parts = []
-    for start in range(0, len(expanded), batch_size):
-        chunk = expanded[start:start + batch_size]
-        ids, mask = policy.encode_prompts([it.prompt for it in chunk])
-        parts.append(policy.sample(ids, mask, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   top_p=top_p, generator=generator, keep_dist=keep_dist))
+    for chunk in lockstep_chunks(policy, expanded, batch_size):
+        ids, mask = policy.encode_prompts([it.prompt for it in chunk]) if chunk else policy.filler()
+        samples = policy.sample(ids, mask, max_new_tokens=max_new_tokens, temperature=temperature,
+                                top_p=top_p, generator=generator, keep_dist=keep_dist)
+        if chunk:
+            parts.append(samples)
     return expanded, parts
+
+
+def lockstep_chunks(policy, items: list, batch_size: int):
+    """``items`` in chunks of ``batch_size``, then empty chunks until every rank has had as many: under
+    expert parallelism each rank must call the model as often as the others (an empty chunk runs a filler)."""
+    chunks = [items[start:start + batch_size] for start in range(0, len(items), batch_size)]
+    return chunks + [[] for _ in range(policy.lockstep.rounds(len(chunks)) - len(chunks))]
 
 
 def collect(policy, items, reward_fn, *, group_size: int, batch_size: int, max_new_tokens: int,
@@ -95,11 +103,12 @@ def evaluate(policy, items: list[PromptItem], reward_fn, *, batch_size: int, max
     import torch
 
     correct, total, reward_sum = 0.0, 0, 0.0
-    for start in range(0, len(items), batch_size):
-        chunk = items[start:start + batch_size]
-        ids, mask = policy.encode_prompts([it.prompt for it in chunk])
+    for chunk in lockstep_chunks(policy, items, batch_size):
+        ids, mask = policy.encode_prompts([it.prompt for it in chunk]) if chunk else policy.filler()
         out = policy.sample(ids, mask, max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0,
                             generator=generator)
+        if not chunk:
+            continue
         rewards = torch.tensor(reward_fn(policy.decode(out.completion_ids, out.completion_mask), chunk))
         correct += float((rewards >= 1.0 - 1e-9).sum())
         reward_sum += float(rewards.sum())

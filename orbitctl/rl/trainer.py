@@ -81,6 +81,7 @@ def accumulation_warnings(derived: int, profile) -> list[str]:
 class _Evaluator:
     def __init__(self, policy, items, reward_fn, profile, max_new_tokens, rank, world):
         self.policy, self.items, self.reward_fn = policy, items[rank::world], reward_fn
+        self.any = bool(items)  # the same on every rank: all of them evaluate, or none (a collective follows)
         self.batch = profile.rollout_batch_size
         self.max_new = max_new_tokens
 
@@ -90,7 +91,7 @@ class _Evaluator:
         from orbitctl.rl.rollout import evaluate
         from orbitctl.rl.update import _all_reduce_sum
 
-        if not self.items:
+        if not self.any:
             return None
         out = evaluate(self.policy, self.items, self.reward_fn, batch_size=self.batch, max_new_tokens=self.max_new,
                        generator=torch.Generator())

@@ -150,7 +150,8 @@ def test_separate_engine_without_sleep_adds_its_copy_to_the_update(make_profile)
                          with_advice=False)
     assert "engine_weights" not in asleep.phases["policy_update"]
     assert asleep.host_components["sleeping_engine"] > 0
-    assert awake.phases["policy_update"]["engine_weights"] == pytest.approx(shared.per_gpu_bytes["base_weights"] * 8, rel=0.01)
+    base_shard = shared.per_gpu_bytes["base_weights"] + shared.per_gpu_bytes["routed_experts"]
+    assert awake.phases["policy_update"]["engine_weights"] == pytest.approx(base_shard * 8, rel=0.01)
     assert not awake.fits
 
 
