@@ -10,6 +10,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+from orbitctl.doctor.findings import INFO
 from orbitctl.doctor.signatures import SIGNATURES, Signature
 
 MAX_LINE = 4096
@@ -26,6 +27,7 @@ _RANK_RES = (
     re.compile(r"--local_rank=(\d{1,5})"),
     re.compile(r"\brank=(\d{1,5})\b"),  # vLLM workers: "(VllmWorker rank=3 pid=1090)"
     re.compile(r"\blocal_rank: (\d{1,5}) \(pid"),  # torchrun: "failed (exitcode: -9) local_rank: 3 (pid: 812917)"
+    re.compile(r"^\s*\[[^\]]{0,40}?\bTP(\d{1,4})\]"),  # SGLang schedulers: "[2025-07-02 07:41:59 DP7 TP7]"
 )
 _NCCL_PID = re.compile(r"(?:^|\s)[\w.-]+:(\d+):\d+ \[\d+\] NCCL")
 _NCCL_RANK_OF_PID = re.compile(r"(?:^|\s)[\w.-]+:(\d+):\d+ \[\d+\] NCCL INFO .{0,120}?\brank (\d+) nranks")
@@ -39,11 +41,19 @@ _LAST_ERROR = re.compile(r"Last error:\s*(.*)$")
 # the launcher's summary of a child that failed: never the cause itself
 _LAUNCHER_ERRORS = {"ChildFailedError", "CalledProcessError", "ProcessRaisedException", "ProcessExitedException"}
 _EXC_LINE = re.compile(r"^(?:[\w.]+\.)?(?P<cls>\w*(?:Error|Exception))(?::\s?(?P<msg>.*))?$")
+# argparse prints "train.py: error: the following arguments are required: ..." and exits 2, with no traceback
+_USAGE_ERROR = re.compile(r"^[\w./-]{1,200}\.py: error: \S")
+# a traceback frame, and an exception line anywhere in a line (ranks' output may be glued together)
+_FRAME = re.compile(r"File \"(?P<file>[^\"]{1,300})\", line (?P<line>\d+), in (?P<func>[\w<>.]+)|Traceback \(most recent call last\)")
+_EXC_ANYWHERE = re.compile(r"(?:^|[\s\])>|:])(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception)(?::|\s*$)")
+CUT_TAIL_LINES = 12
+"""A traceback still open this close to the end of the log means the paste (or the process) was cut."""
 
 
 @dataclass
 class Event:
-    sig: Signature
+    sig: Signature | None
+    """None for findings a rule derives (no signature line of their own)."""
     line_no: int
     rank: int | None
     text: str
@@ -59,6 +69,8 @@ class Scan:
     """(line, rank, text) of Python exception lines after a traceback that no signature explains."""
     lines: int = 0
     truncated_chars: int = 0
+    open_traceback: tuple[int, str] | None = None
+    """(line, last frame) when the log ends inside a traceback: the exception line that names the error is missing."""
 
 
 def split_lines(text: str) -> list[str]:
@@ -143,6 +155,7 @@ def scan_lines(lines: list[str]) -> Scan:
     pending_last_error: Event | None = None
     last_error_event: Event | None = None
     elastic_rank: tuple[int, int] | None = None  # (line, rank) from a torchrun error summary
+    tail = _TracebackTail()
     for no, line in enumerate(lines, start=1):
         if len(line) > MAX_LINE * MAX_WINDOWS:
             scan.truncated_chars += len(line) - MAX_LINE * MAX_WINDOWS
@@ -162,11 +175,14 @@ def scan_lines(lines: list[str]) -> Scan:
                 pending_last_error = last_error_event
         if "Traceback (most recent call last)" in line:
             seen_traceback = True
-        elif seen_traceback and len(scan.exceptions) < 50 and len(stripped) < 2000:
+        elif len(scan.exceptions) < 50 and len(stripped) < 2000:
             body = _PREFIX.sub("", stripped)
-            if (m := _EXC_LINE.match(body)) and m.group("cls") and m.group("cls") not in _LAUNCHER_ERRORS \
-                    and not match_line(body):
+            if seen_traceback and (m := _EXC_LINE.match(body)) and m.group("cls") and \
+                    m.group("cls") not in _LAUNCHER_ERRORS and not match_line(body):
                 scan.exceptions.append((no, line_rank(line, pid_rank), body[:300]))
+            elif _USAGE_ERROR.match(body):
+                scan.exceptions.append((no, line_rank(line, pid_rank), body[:300]))
+        tail.track(no, line)
         rank = None
         rank_done = False
         seen_here: set[str] = set()
@@ -185,4 +201,31 @@ def scan_lines(lines: list[str]) -> Scan:
                 if sig.id.startswith("nccl.") and sig.id in ("nccl.err", "nccl.sys", "nccl.cuda", "nccl.int", "nccl.remote"):
                     last_error_event = ev
                 scan.events.append(ev)
+                if sig.severity != INFO:
+                    tail.closed(no)
+    scan.open_traceback = tail.open_at_end(len(lines))
     return scan
+
+
+class _TracebackTail:
+    """Whether the log ends inside a traceback: a frame after the last exception line, near the end."""
+
+    def __init__(self) -> None:
+        self.frame: tuple[int, str] | None = None
+        self.closed_at = 0
+
+    def track(self, no: int, line: str) -> None:
+        head = line[:MAX_LINE]
+        if (m := _FRAME.search(head)) is not None:
+            where = f"{m.group('func')} ({m.group('file')}:{m.group('line')})" if m.group("func") else "Traceback"
+            self.frame = (no, where)
+        if _EXC_ANYWHERE.search(head[m.end():] if m else head):
+            self.closed(no)
+
+    def closed(self, no: int) -> None:
+        self.closed_at = max(self.closed_at, no)
+
+    def open_at_end(self, total: int) -> tuple[int, str] | None:
+        if self.frame is None or self.frame[0] <= self.closed_at or total - self.frame[0] > CUT_TAIL_LINES:
+            return None
+        return self.frame

@@ -28,6 +28,13 @@ FAQ_INSTABILITY = ("Training instability: keep bf16 (not fp16), warm up the lear
                    "(rl.is_correction.kind: tis), and check `orbitctl verify-alignment PROFILE`")
 
 
+# vLLM's two forms of "max_model_len does not fit the KV cache" (V0 counts tokens, V1 bytes and may estimate a length)
+KV_LEN_V0 = (r"max seq len \((?P<len>\d+)\) is larger than the maximum number of tokens that can be stored in KV "
+             r"cache \((?P<cap>\d+)\)")
+KV_LEN_V1 = (r"To serve at least one request with the models?'s max seq len \((?P<len2>\d+)\), \((?P<need>[\d.]+ ?GiB) KV "
+             r"cache is needed, which is larger than the available KV cache memory \((?P<avail>-?[\d.]+ ?GiB)\)"
+             r"(?:\. Based on the available memory, the estimated maximum model length is (?P<est>\d+))?")
+
 @dataclass(frozen=True)
 class Signature:
     id: str
@@ -106,11 +113,71 @@ SIGNATURES: list[Signature] = [
           "oom when allocating"),
          "GPU out of memory outside the PyTorch allocator (cuBLAS, NCCL or a kernel)",
          "Leave headroom: memory.max_hbm_utilization: 0.85; " + FAQ_OOM, priority=79, supersedes=("cuda.err", "oom", "nccl.cudaf")),
-    _sig("oom.kv", r"No available memory for the cache blocks|larger than the maximum number of tokens that can be "
-         r"stored in KV cache", ("cache blocks", "stored in kv cache"),
-         "the rollout engine has no GPU memory left for its KV cache",
-         "Give the engine more memory (vLLM gpu_memory_utilization) or need less: rollout.max_new_tokens, "
-         "rollout.batch_size, rollout.kv_dtype: fp8, rollout.engine_sleep: true", priority=79),
+    # rollout engine start-up (vLLM, SGLang): every rank prints the same line
+    _sig("oom.kv", r"No available memory for the cache blocks|Available KV cache memory: -(?P<neg>[\d.]+ ?GiB)|"
+         r"is larger than the profiled value -(?P<tokens>\d+)|Not enough memory\. Please try to increase "
+         r"--mem-fraction-static", ("cache blocks", "available kv cache memory: -", "profiled value -",
+                                     "mem-fraction-static"),
+         "the rollout engine has no GPU memory left for its KV cache (the budget after its weights is zero or negative)",
+         "Give the engine more memory (vLLM gpu_memory_utilization, SGLang --mem-fraction-static) or need less: a smaller "
+         "engine shard (rollout.engine_tp), rollout.kv_dtype: fp8, rollout.engine_sleep: true so the trainer's memory is "
+         "freed while the engine starts", priority=79),
+    _sig("kv.len", f"{KV_LEN_V0}|{KV_LEN_V1}", ("stored in kv cache", "kv cache is needed"),
+         "the engine's max_model_len needs more KV cache than its memory budget holds",
+         "Lower the engine's max_model_len (vLLM --max-model-len, SGLang --context-length) to what the run needs, or give "
+         "the KV cache more memory (gpu_memory_utilization / --mem-fraction-static)", priority=79),
+    _sig("kv.util", r"Free memory on device(?: (?P<dev>\S+))? \((?P<free>[\d.]+)/(?P<total>[\d.]+) ?GiB\) on startup is "
+         r"less than desired GPU memory utilization \((?P<util>[\d.]+), (?P<want>[\d.]+) ?GiB\)",
+         ("free memory on device",),
+         "gpu_memory_utilization asks for more than is free: something else (a colocated trainer, another engine) holds "
+         "GPU memory", "Lower the engine's gpu_memory_utilization below the free share, or start the engine before the "
+         "trainer allocates (rollout.engine_sleep: true; stop stray processes: nvidia-smi)", priority=79),
+    # LoRA adapters an engine refuses
+    _sig("lora.rank", r"LoRA rank (?P<rank>\d+) is greater than max_lora_rank (?P<max>\d+)", ("max_lora_rank",),
+         "the adapter's rank is above the engine's max_lora_rank",
+         "Start the engine with a max_lora_rank at least the adapter's rank (vLLM --max-lora-rank; SGLang --max-lora-rank)",
+         priority=83),
+    _sig("lora.modules", r"expected target modules in .{0,2000}? but received|(?<![}\w])[\w.]+ is unsupported LoRA weight",
+         ("expected target modules", "unsupported lora weight"),
+         "the adapter adapts modules the engine cannot (lm_head, embeddings, vision tower or a renamed module)",
+         "Adapt only the engine's supported projections (q/k/v/o, gate/up/down: adapter.targets: attention+mlp) and "
+         "leave lm_head, embed_tokens and vision modules frozen, or merge the adapter into the base for rollout",
+         priority=83),
+    _sig("lora.unsupported", r"does not support LoRA(?:, but LoRA is enabled| yet)|LoRA is not supported (?:with|for) "
+         r"quantiz|Target module \S+ is not supported", ("support lora", "lora is not supported", "target module"),
+         "LoRA is not supported for this model architecture or quantization in this engine/library version",
+         "Use an engine version that supports LoRA for this architecture/quantization, or merge the adapter into the base "
+         "weights for rollout; for quantized bases use a quantization the adapter library wraps (bitsandbytes, GPTQ with "
+         "a matching auto-gptq/optimum)", priority=83),
+    _sig("lora.mismatch", r"size mismatch for [\w.]*lora_[AB][\w.]*: copying a param with shape torch\.Size\(\[(?!0\])"
+         r"(?P<ck>[\d, ]{1,40})\]\) from checkpoint, the shape in current model is torch\.Size\(\[(?!0\])"
+         r"(?P<cur>[\d, ]{1,40})\]\)", ("lora_a", "lora_b"),
+         "the adapter was trained on a different base model (its LoRA shapes do not match this base)",
+         "Load the adapter on the base it was trained from (adapter_config.json: base_model_name_or_path); check "
+         "model.arch and the checkpoint path", priority=82),
+    # DeepSpeed ZeRO-3
+    _sig("zero3.gather", r"'status': 'NOT_AVAILABLE'|ds_status == ZeroParamStatus\.AVAILABLE|'weight' must be 2-D|"
+         r"The size of tensor [ab] \(0\) must match|object has no attribute 'ds_(?:tensor|id|numel)'",
+         ("not_available", "zeroparamstatus", "must be 2-d", "(0) must match", "'ds_"),
+         "a ZeRO-3 partitioned parameter was used outside a gather (its local shard is empty)",
+         "Run the model through the DeepSpeed engine (not a submodule or an unwrapped copy); gather what is read directly "
+         "with deepspeed.zero.GatheredParameters(params) (TRL: unwrap_model_for_generation); initialise reference/teacher "
+         "models with deepspeed.initialize too; or use memory.zero_stage: 2", priority=77),
+    _sig("zero3.ckpt", r"copying a param with shape torch\.Size\(\[0\]\) from checkpoint|the shape in current model is "
+         r"torch\.Size\(\[0\]\)", ("torch.size([0])",),
+         "a ZeRO-3 checkpoint mismatch: empty partitioned shards were saved, or a checkpoint was loaded into a partitioned model",
+         "Save full weights under ZeRO-3 (stage3_gather_16bit_weights_on_model_save: true, accelerator.get_state_dict, or "
+         "zero_to_fp32.py); load with from_pretrained under deepspeed.zero.Init or engine.load_checkpoint, not "
+         "load_state_dict on the partitioned model", priority=77),
+    _sig("zero3.hang", r"\b(?:all_gather_coalesced|fetch_sub_module|__all_gather_params_?) \(\S{0,200}deepspeed/runtime/zero/",
+         ("deepspeed/runtime/zero/",), "a rank is stuck in a ZeRO-3 parameter all-gather (the ranks run different modules)",
+         "Make every rank run the same modules in the same order (no rank-dependent generate() lengths or branches; with "
+         "generate() under ZeRO-3 use synced_gpus=True); if it persists set stage3_prefetch_bucket_size: 0 or "
+         "memory.zero_stage: 2; py-spy dump -n -p <pid> on every rank shows who is elsewhere", priority=25),
+    _sig("zero3.trace", r"Invalidate trace cache @ step \d+: expected module \d+, but got module \d+", ("invalidate trace cache",),
+         "ZeRO-3's prefetch trace changed: modules ran in a different order than the step before",
+         "Harmless alone (generate/eval steps); with collective timeouts after it, the ranks diverged: see log.zero3.hang",
+         severity=WARN, priority=24),
     _sig("host.oom", r"exits with return code = -9|exitcode\s*:\s*-9\b|Killed process \d+|Out of memory: Kill|"
          r"Signal 9 \(SIGKILL\) received by PID|terminated with signal SIGKILL|oom-kill:|^\s*Killed\s*$|"
          r"is killed by signal: Killed|Task was killed due to the node running low on memory|"
@@ -120,10 +187,55 @@ SIGNATURES: list[Signature] = [
          "Check `dmesg | grep -i 'killed process'`; reduce host memory: memory.offload_optimizer/offload_params: none or a "
          "smaller model shard per process, fewer dataloader workers, load checkpoints with low_cpu_mem_usage; or add RAM/swap",
          # Ray's memory monitor raises ray.exceptions.OutOfMemoryError for host RAM, not GPU memory
-         priority=78, supersedes=("oom",), flags=re.M),
-    _sig("train.nan", r"Current loss scale already at minimum|loss'?\"?(?: is|=|:)\s*nan\b|non-finite loss|Detected NaN|"
-         r"nan or inf (?:found|detected)|returned nan values in its \d+\w* output|grad_norm'?\"?:\s*nan\b", ("loss scale already at minimum", "nan"),
+         priority=78, supersedes=("oom", "launcher"), flags=re.M),
+    # Ray: a worker that died, and the thread/process limit that Ray's generic hint blames on the OOM killer
+    _sig("ray.threads", r"pthread_create failed|[Tt]hread creation failed: Resource temporarily unavailable|"
+         r"thread: Resource temporarily unavailable|can't start new thread|Failed to create new thread|fork: retry: "
+         r"(?:Resource temporarily unavailable|No child processes)|RLIMIT_NPROC",
+         ("pthread_create", "thread creation failed", "thread: resource temporarily", "start new thread",
+          "create new thread", "fork: retry", "rlimit_nproc"),
+         "the process/thread limit was hit (Resource temporarily unavailable): not the OOM killer Ray's hint names",
+         "Raise the limit: ulimit -u 65535 (and the container's --pids-limit / cgroup pids.max); create fewer threads: "
+         "export OMP_NUM_THREADS=1 RAY_num_server_call_thread=1 RAY_worker_num_grpc_internal_threads=1, fewer DataLoader "
+         "workers; check with `ulimit -u` and `ps -eLf | wc -l`", priority=77),
+    _sig("ray.died", r"The actor died unexpectedly before finishing this task|The actor is dead because its worker "
+         r"process has died|A worker died or was killed while executing (?:a )?task|Worker unexpectedly exits with a "
+         r"connection error code", ("actor died", "actor is dead", "worker died", "worker unexpectedly exits"),
+         "a Ray actor's worker process died; its own reason is not in this log",
+         "Ray's hint (OOM killer, ray stop, SIGSEGV) lists possibilities, not the cause: read the dead worker's log "
+         "(/tmp/ray/session_latest/logs/worker-*-<pid>.err, raylet.out) and `dmesg -T | tail`; rerun with "
+         "RAY_DEDUP_LOGS=0", severity=WARN, priority=31),
+    # checkpoint and run-directory I/O
+    _sig("ckpt.nospace", r"No space left on device|\[Errno 28\]|Disk quota exceeded|\[Errno 122\]",
+         ("no space left", "errno 28", "disk quota", "errno 122"), "the disk (or quota) is full",
+         "Free space on the run/checkpoint filesystem (`df -h <run.dir>`, `du -sh <run.dir>/*`); keep fewer "
+         "checkpoints (save_total_limit), point run.dir at a larger volume; the HF/torch caches (HF_HOME, TMPDIR) "
+         "count too", priority=77),
+    _sig("ckpt.write", r"PytorchStreamWriter failed writing file|write\(\): fd \d+ failed with|File \S+ cannot be opened\.",
+         ("pytorchstreamwriter", "write(): fd", "cannot be opened"),
+         "writing the checkpoint failed (usually a full disk or quota; else a flaky network filesystem)",
+         "Check free space and quota on the checkpoint path (`df -h`, `quota -s`) and that the directory exists and is "
+         "writable; save to local disk, then copy", priority=76),
+    _sig("ckpt.corrupt", r"Error while deserializing header: \w+|incomplete metadata, file not fully covered|"
+         r"PytorchStreamReader failed reading zip archive|invalid load key, '",
+         ("deserializing header", "incomplete metadata", "pytorchstreamreader", "invalid load key"),
+         "a checkpoint/weights file is truncated or corrupt (interrupted download or save)",
+         "Delete and re-download the file (huggingface-cli download --force-download, or remove it from HF_HOME); for a "
+         "run's own checkpoint resume from the previous one and check the disk did not fill while saving", priority=77),
+    _sig("ckpt.perm", r"PermissionError: \[Errno 13\]|\[Errno 30\] Read-only file system|OSError: \[Errno 13\] "
+         r"Permission denied", ("errno 13", "errno 30"), "no permission to write the run or checkpoint directory",
+         "Check the owner and mode of the path (ls -ld), whether it is mounted read-only, and the user the job runs as; "
+         "set run.dir to a writable directory", priority=77),
+    _sig("train.nan", r"Current loss scale already at minimum|loss'?\"?(?: is|=|:)\s*(?:nan|inf)\b|non-finite loss|"
+         r"Detected NaN|nan or inf (?:found|detected)|returned nan values in its \d+\w* output|"
+         r"grad[_ ]norm'?\"?:\s*(?:nan|inf)\b", ("loss scale already at minimum", "nan", "inf"),
          "training diverged (NaN/inf loss)", FAQ_INSTABILITY, priority=65, flags=re.I),
+    # a scale that halves to its floor is a collapse; one that settles high is routine fp16 start-up
+    _sig("train.scale", r"Attempted loss scale: (?P<from>[\d.]+(?:e[-+]?\d+)?), reducing to (?P<to>[\d.]+(?:e[-+]?\d+)?)|"
+         r"reducing loss scale to (?P<to2>[\d.]+(?:e[-+]?\d+)?)", ("attempted loss scale", "reducing loss scale"),
+         "the fp16 loss scale collapsed to its floor: every step overflows", "Stop fp16: train in bf16 (model.dtype: "
+         "bf16); if fp16 is required, lower rl.lr, clip gradients (rl.grad_clip: 1.0) and look for the first inf/NaN "
+         "(loss, logits, advantages); " + FAQ_INSTABILITY, priority=64),
     _sig("ds.flush", r"(?P<n>\d+) pytorch allocator cache flushes since last step", ("cache flushes",),
          "near-OOM: DeepSpeed ZeRO-3 had to flush the allocator cache",
          "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; lower memory.micro_batch_size or memory.prefetch_layers",
@@ -131,11 +243,11 @@ SIGNATURES: list[Signature] = [
     _sig("host.sigbus", r"exits with return code = -7\b|exitcode\s*:\s*-7\b|Signal 7 \(SIGBUS\)|Bus error",
          ("-7", "sigbus", "bus error"), "SIGBUS: shared memory (/dev/shm) ran out under a worker or NCCL",
          "docker run --shm-size=16g ... (Kubernetes: emptyDir medium: Memory on /dev/shm); fewer DataLoader workers",
-         priority=71),
+         priority=71, supersedes=("launcher",)),
     _sig("host.segv", r"exits with return code = -11\b|exitcode\s*:\s*-11\b|Signal 11 \(SIGSEGV\)|Segmentation fault",
          ("-11", "sigsegv", "segmentation fault"), "a native crash (SIGSEGV), usually a compiled extension built for another "
          "torch/CUDA", "Reinstall compiled extensions against this torch (flash-attn, DeepSpeed ops: DS_BUILD_OPS=0, "
-         "bitsandbytes); run under `python -X faulthandler` to see the crashing frame", priority=62),
+         "bitsandbytes); run under `python -X faulthandler` to see the crashing frame", priority=62, supersedes=("launcher",)),
     _sig("cuda.ordinal", r"invalid device ordinal|cudaErrorInvalidDevice", ("invalid device ordinal", "invaliddevice"),
          "a rank asked for a GPU index that does not exist (more ranks than visible GPUs)",
          "Launch no more ranks per node than GPUs (torchrun --nproc-per-node = GPU count); check CUDA_VISIBLE_DEVICES and "
@@ -158,7 +270,7 @@ SIGNATURES: list[Signature] = [
          r"shm_open failed|ncclShmOpen|insufficient shared memory \(shm\)",
          ("shared memory segment", "/dev/shm", "posix_fallocate", "shm_open", "shmopen", "shared memory (shm)"),
          "/dev/shm too small or full", "docker run --shm-size=16g ... (Kubernetes: emptyDir medium: Memory on /dev/shm); "
-         "rm -f /dev/shm/nccl-*; or export NCCL_SHM_DISABLE=1", priority=72, supersedes=("nccl.cudaf",)),
+         "rm -f /dev/shm/nccl-*; or export NCCL_SHM_DISABLE=1", priority=72, supersedes=("nccl.cudaf", "ckpt.nospace")),
     _sig("nccl.if", r"no socket interface found|No usable listening interface|Bootstrap : no \S+ interface found|"
          r"NCCL_SOCKET_IFNAME\S* \S* ?not found|is neither AF_INET|[Nn]o (?:usable )?(?:socket |listening )?interface found|"
          r"Socket creation failed : Address family not supported", ("interface", "af_inet", "address family not supported"),
@@ -173,8 +285,8 @@ SIGNATURES: list[Signature] = [
          ("errno: 98", "eaddrinuse", "address already in use"), "MASTER_PORT already in use (a stale job still listens)",
          "ss -ltnp 'sport = :29500' and kill the stale job; or pick another port: torchrun --master_port 29501 "
          "(export MASTER_PORT=29501)", priority=70),
-    _sig("nccl.ib", r"NET/IB\w* ?: ?Got completion|NCCL WARN NET/IB\w* ?: (?P<detail>.{1,200})|Call to ibv_\w+ failed",
-         ("net/ib", "ibv_"), "InfiniBand/RoCE transport error",
+    _sig("nccl.ib", r"NET/IB\w* ?: ?Got completion|NCCL WARN NET/IB\w* ?: (?P<detail>.{1,200})|Call to ibv_\w+ failed|"
+         r"mlx5: \S{1,80}: got completion with error", ("net/ib", "ibv_", "got completion with error"), "InfiniBand/RoCE transport error",
          "Check the fabric: `ibstat`, `ibv_devinfo`, cables and switch ports; on one node: export NCCL_IB_DISABLE=1", priority=68),
     _sig("ddp.unused", r"Expected to have finished reduction in the prior iteration|"
          r"parameters that were not used in producing loss", ("finished reduction", "not used in producing loss"),
@@ -240,6 +352,21 @@ SIGNATURES: list[Signature] = [
     _sig("nccl.abort", r"NCCL communicator was aborted on rank (?P<r>\d+)|communicator was aborted|"
          r"Some NCCL operations have failed or timed out|we are taking the entire process down",
          ("communicator was aborted", "some nccl operations", "entire process down"), "communicator aborted after an earlier failure", "Find the first failure", priority=10),
+    # context lines: the trainer pushing weights or adapters to a rollout engine (used to place a transport failure)
+    _sig("sync.ctx", r"update weight: |\bupdate_weights?\b|_broadcast_to_vllm|_model_update_group|model_update_group|"
+         r"update_named_param|_move_model_to_vllm|update_weights_from_(?:distributed|tensor|disk)|sync_model_weights|"
+         r"\bsync_weights\b|init_weight_update_group|sync_model_from_actor|broadcast_weights",
+         ("update weight", "update_weight", "broadcast_to_vllm", "model_update_group", "update_named_param",
+          "move_model_to_vllm", "update_weights_from", "sync_model", "sync_weights", "weight_update_group",
+          "broadcast_weights"),
+         "the trainer is syncing weights to the rollout engine", "Context for log.sync.weights", severity=INFO, priority=0),
+    # a launcher's summary of a child that exited: never the cause itself (-9/-7/-11 have their own signatures)
+    _sig("launcher", r"failed \(exitcode: (?P<code>-?\d+)\) local_rank: \d+|exits with return code = (?P<code2>-?\d+)|"
+         r"^\s*exitcode\s*: (?P<code3>-?\d+) \(pid", ("exitcode", "exits with return code"),
+         "the launcher reports a rank exited with an error; that rank's own error is not in this log",
+         "Find that rank's own output (torchrun --redirect 3 --log-dir DIR, or TORCHELASTIC_ERROR_FILE with @record on "
+         "main; DeepSpeed: the rank's stderr); exit code 1 is a Python exception, 2 a usage error, -6 an abort, -15 a "
+         "SIGTERM from the launcher after another rank failed", severity=WARN, priority=9, flags=re.M),
     _sig("nccl.depr", r"NCCL_ASYNC_ERROR_HANDLING is deprecated", ("nccl_async_error_handling is deprecated",),
          "deprecated variable name (harmless)", "unset NCCL_ASYNC_ERROR_HANDLING; export TORCH_NCCL_ASYNC_ERROR_HANDLING=3",
          severity=INFO, priority=0),

@@ -11,39 +11,22 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from orbitctl.doctor.engine import ENGINE_IDS, message_advice, plan_advice
 from orbitctl.doctor.findings import FAIL, INFO, WARN, Finding
+from orbitctl.doctor.groups import Group, ranges
 from orbitctl.doctor.logscan import Event, Scan, scan_lines, split_lines, unwrap
 from orbitctl.doctor.oom import FIX_BY_KIND, OomDetails, parse_oom
-from orbitctl.doctor.signatures import BY_ID, FAQ_OOM
+from orbitctl.doctor.rules import CONSEQUENCE_PRIORITY, apply_rules, launcher_rank
+from orbitctl.doctor.signatures import FAQ_OOM
 from orbitctl.doctor.xid import classify_xid
 
-# Below this priority a finding is a consequence when a stronger cause is in the same log.
-CONSEQUENCE_PRIORITY = 50
 # An unexplained Python exception outranks peers exiting and timeouts, and nothing else.
 EXCEPTION_PRIORITY = 33
 OOM_TITLES = {"frag": "GPU out of memory: fragmentation", "cap": "GPU out of memory: the run needs more than the GPU has",
               "peer": "GPU out of memory: another process holds the memory", "unknown": "GPU out of memory"}
 MEMORY_IDS = ("log.oom.frag", "log.oom.cap", "log.oom.peer", "log.oom", "log.oom.raw", "log.ds.flush")
-
-
-@dataclass
-class Group:
-    id: str
-    title: str
-    severity: str
-    priority: int
-    fix: str
-    events: list[Event] = field(default_factory=list)
-    evidence: list[str] = field(default_factory=list)
-    data: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def first_line(self) -> int:
-        return self.events[0].line_no
-
-    @property
-    def ranks(self) -> list[int]:
-        return sorted({e.rank for e in self.events if e.rank is not None})
+LOSS_SCALE_FLOOR = 8.0
+"""A dynamic fp16 loss scale at or below this has collapsed (DeepSpeed's floor is 1; start-up settles far higher)."""
 
 
 @dataclass
@@ -58,28 +41,35 @@ def triage_log(text: str, *, profile: Any = None) -> LogTriage:
     lines = unwrap(split_lines(text))
     scan = scan_lines(lines)
     groups = _group(scan)
+    apply_rules(groups, scan)
     out = LogTriage(lines=scan.lines)
     causes = [g for g in groups.values() if g.severity != INFO]
     root = max(causes, key=lambda g: (g.priority, -g.first_line)) if causes else None
     if scan.exceptions and (root is None or root.priority <= EXCEPTION_PRIORITY):
         # a rank died of an ordinary Python error and the others then timed out: the error is the cause
         no, rank, body = scan.exceptions[0]
+        rank = launcher_rank(groups) if rank is None else rank
         severity = FAIL if root is not None else WARN
         exc = Group("log.exception", "a rank raised an exception no signature knows", severity, EXCEPTION_PRIORITY,
                     "Read the traceback above this line and fix that error; the NCCL messages after it follow from "
                     "the rank that stopped")
-        exc.events.append(Event(BY_ID["nccl.err"], no, rank, body))
+        exc.events.append(Event(None, no, rank, body))
         exc.evidence.append(f"line {no}: {body}")
         groups[exc.id] = root = exc
     if not groups:
         return out
     if root is not None and root.id in MEMORY_IDS and profile is not None:
         _add_plan_advice(root, profile)
+    if root is not None and root.id in ENGINE_IDS and profile is not None:
+        plan_advice(root, profile)
     ordered = sorted(groups.values(), key=lambda g: (g is not root, -g.priority, g.first_line))
     for g in ordered:
         status = g.severity
         evidence = list(g.evidence)
-        if root is not None and g is not root and g.priority < min(root.priority, CONSEQUENCE_PRIORITY + 1) \
+        if g.note and g is not root and status != INFO:
+            status = WARN
+            evidence.append(g.note)
+        elif root is not None and g is not root and g.priority < min(root.priority, CONSEQUENCE_PRIORITY + 1) \
                 and status != INFO:
             status = WARN
             evidence.append(f"likely a consequence of {root.id}" + (f" on rank {root.ranks[0]}" if root.ranks else ""))
@@ -108,8 +98,8 @@ def _group(scan: Scan) -> dict[str, Group]:
             g = groups[gid] = Group(gid, title, severity, priority, fix)
             g.evidence.append(f"line {ev.line_no}: {ev.text}")
         g.events.append(ev)
-        if severity == FAIL and g.severity != FAIL:  # xid groups take the worst code
-            g.severity, g.priority, g.fix = severity, max(priority, g.priority), fix
+        if severity == FAIL and g.severity != FAIL:  # xid groups take the worst code, loss scales the lowest
+            g.title, g.severity, g.priority, g.fix = title, severity, max(priority, g.priority), fix
     for g in groups.values():
         _enrich(g, groups)
     if "log.nccl.timeout" in groups and "log.nccl.pg" in groups:
@@ -132,13 +122,19 @@ def _classify(ev: Event) -> tuple[str, str, str, int, str]:
         ev.groups["xid_code"] = code
         priority = {FAIL: 100, WARN: 60, INFO: 15}[severity]
         return "log.xid", f"Xid {code}: {meaning}", severity, priority, fix
+    if sig.id == "train.scale":
+        scale = float(ev.groups.get("to") or ev.groups.get("to2"))
+        ev.groups["scale"] = scale
+        if scale > LOSS_SCALE_FLOOR:
+            return "log.train.scale", "fp16 loss scale reduced after an overflow (routine while it stays high)", INFO, 0, \
+                "Nothing to do while the scale stays in the thousands; see it again if it keeps halving"
     return f"log.{sig.id}", sig.cause, sig.severity, sig.priority, sig.fix
 
 
 def _enrich(g: Group, groups: dict[str, Group]) -> None:
     ranks = g.ranks
     if ranks:
-        g.evidence.append(f"rank(s) {_ranges(ranks)}; {len(g.events)} line(s)")
+        g.evidence.append(f"rank(s) {ranges(ranks)}; {len(g.events)} line(s)")
     elif len(g.events) > 1:
         g.evidence.append(f"{len(g.events)} line(s)")
     first = g.events[0]
@@ -153,6 +149,12 @@ def _enrich(g: Group, groups: dict[str, Group]) -> None:
     elif g.id in ("log.nccl.timeout", "log.nccl.pg"):
         g.data.update(_progress(groups))
         g.evidence.extend(g.data.pop("lines", []))
+    elif g.id == "log.train.scale":
+        scales = [e.groups["scale"] for e in g.events]
+        g.data.update(lowest=min(scales), last=scales[-1])
+        g.evidence.append(f"loss scale down to {min(scales):g} after {len(scales)} overflow(s)")
+    elif g.id in ENGINE_IDS:
+        message_advice(g)
     details = sorted({e.detail for e in g.events if e.detail})
     if details:
         g.evidence.append("Last error: " + " | ".join(details[:3]))
@@ -185,7 +187,7 @@ def _progress(groups: dict[str, Group]) -> dict[str, Any]:
             low = min(seqs.values())
             behind = sorted(r for r, s in seqs.items() if s == low)
             data["lines"].append(f"ranks wait on different collectives (SeqNum {low}..{max(seqs.values())}): ranks "
-                                 f"{_ranges(behind)} are behind, or the ranks call collectives in a different order")
+                                 f"{ranges(behind)} are behind, or the ranks call collectives in a different order")
             data["straggler_ranks"] = behind
     done: dict[int, int] = {}
     for e in groups.get("log.nccl.pg").events if "log.nccl.pg" in groups else []:
@@ -197,7 +199,7 @@ def _progress(groups: dict[str, Group]) -> dict[str, Any]:
         if low < high:
             stragglers = sorted(r for r, v in done.items() if v == low)
             data["straggler_ranks"] = stragglers
-            data["lines"].append(f"straggler: rank(s) {_ranges(stragglers)} last completed work {low}, others up to {high}")
+            data["lines"].append(f"straggler: rank(s) {ranges(stragglers)} last completed work {low}, others up to {high}")
         else:
             data["lines"].append(f"every reporting rank completed work {low}: the collective after it hung on all of them")
     known = set(reporting) | set(done)
@@ -206,7 +208,7 @@ def _progress(groups: dict[str, Group]) -> dict[str, Any]:
         missing = sorted(set(range(world)) - set(reporting))
         if missing and len(reporting) >= 2:
             data["missing_ranks"] = missing
-            data["lines"].append(f"rank(s) {_ranges(missing)} never reported the timeout: look there first "
+            data["lines"].append(f"rank(s) {ranges(missing)} never reported the timeout: look there first "
                                  "(crashed, hung in compute, or a different collective)")
     data["reporting_ranks"] = sorted(reporting)
     return data
@@ -231,11 +233,3 @@ def _add_plan_advice(g: Group, profile: Any) -> None:
     elif verdict.available and verdict.fits:
         g.fix = ("The plan fits on paper but the run used more: set memory.max_hbm_utilization=0.8 and re-plan "
                  "(orbitctl plan PROFILE). " + g.fix)
-
-
-def _ranges(values: list[int]) -> str:
-    from orbitctl.doctor.sysfs import format_cpulist
-
-    return format_cpulist(values)
-
-

@@ -17,6 +17,7 @@ caller gets that rank's own message, not only an exit code.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
@@ -88,7 +89,9 @@ def _root_failure(exc) -> tuple[int, int, str]:
     failures = getattr(exc, "failures", {}) or {}
     if not failures:
         return -1, 1, str(exc)
-    rank, failure = min(failures.items(), key=lambda kv: (kv[1].timestamp or 0, kv[0]))
+    # the first rank that failed on its own: an exit code of its own and a recorded message come before a
+    # rank the launcher stopped afterwards (a negative code: killed by a signal it sent)
+    rank, failure = min(failures.items(), key=lambda kv: (not (kv[1].exitcode or 0) > 0, kv[1].timestamp or 0, kv[0]))
     message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
     if not message or message.startswith("To enable traceback"):
         signal = failure.signal_name() if failure.exitcode is not None and failure.exitcode < 0 else None
@@ -115,24 +118,31 @@ def launch_local(profile, options: dict, on_event, *, numa: bool) -> dict:
                           run_id=f"orbitctl-{port}", max_restarts=0, monitor_interval=0.2, start_method="spawn",
                           logs_specs=DefaultLogsSpecs(log_dir=str(where.root / "logs")), numa_options=numa_options)
     outcome: dict = {}
+    stop = threading.Event()
 
-    def run() -> None:
-        try:
-            elastic_launch(config, sys.executable)("-m", "orbitctl.launch.worker", str(where.root))
-        except BaseException as exc:  # re-raised in the caller's thread
-            outcome["error"] = exc
+    def follow() -> None:  # rank 0's events, replayed while the ranks run (the launcher keeps the main thread)
+        seen = 0
+        while not stop.wait(0.25):
+            seen = _replay(where.events, on_event, seen)
+        outcome["seen"] = seen
 
     saved = {k: os.environ.get(k) for k in WORKER_ENV}
     os.environ.update({k: v for k, v in WORKER_ENV.items() if v is not None})
+    # the launcher's own log lines (which worker it stopped, its exit code) say less than the error reported below
+    elastic_log = logging.getLogger("torch.distributed.elastic")
+    level = elastic_log.level
+    elastic_log.setLevel(logging.CRITICAL)
+    follower = threading.Thread(target=follow, name="orbitctl-events", daemon=True)
+    follower.start()
     try:
-        thread = threading.Thread(target=run, name="orbitctl-launch", daemon=True)
-        thread.start()
-        seen = 0
-        while thread.is_alive():
-            thread.join(0.25)
-            seen = _replay(where.events, on_event, seen)
-        _replay(where.events, on_event, seen)
+        elastic_launch(config, sys.executable)("-m", "orbitctl.launch.worker", str(where.root))
+    except Exception as exc:
+        outcome["error"] = exc
     finally:
+        stop.set()
+        follower.join()
+        elastic_log.setLevel(level)
+        _replay(where.events, on_event, outcome.get("seen", 0))
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     error = outcome.get("error")

@@ -24,12 +24,16 @@ def _record_error(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
     from orbitctl.errors import OrbitError
     from orbitctl.launch.ranks import LaunchDir
     from orbitctl.rundir import atomic_write_json
 
     where = LaunchDir(Path((argv or sys.argv[1:])[0]))
     debug = os.environ.get("ORBITCTL_DEBUG", "") not in ("", "0")
+    # DeepSpeed's ZeRO calls a torch collective under its deprecated name, once per step on every rank
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
     try:
         from orbitctl.profile import load_profile
         from orbitctl.rl import api

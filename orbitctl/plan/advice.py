@@ -160,8 +160,8 @@ def _layout_changes(profile, arch) -> list[dict[str, Any]]:
 
 def compare_layouts(profile, plan: MemoryPlan, arch, replan: Callable[[dict[str, Any]], MemoryPlan | None]) -> list[dict]:
     """One row per base layout: its change (``--set`` values), peak, fit, largest micro-batch and the bytes
-    one RL step sends per GPU; ``best`` marks the fitting layout (at its largest micro-batch) that sends the
-    least. Empty on one GPU, where there is nothing to place."""
+    one RL step sends per GPU; ``best`` marks the layout that sends the least among those that run (largest
+    micro-batch > 0). Empty on one GPU, or when no other layout is a valid profile."""
     if profile.world_size == 1:
         return []
     rows = []
@@ -169,13 +169,12 @@ def compare_layouts(profile, plan: MemoryPlan, arch, replan: Callable[[dict[str,
         other = plan if not change else replan(change)
         if other is None:  # the change is not a valid profile (e.g. parameter offload needs ZeRO-3)
             continue
-        comm = other.communication
-        rows.append({"layout": comm.layout, "expert_parallel": other.details["expert_parallel"],
-                     "dense_layout": other.details["dense_layout"], "change": change, "set": set_values(change), "current": not change,
-                     "peak_bytes": other.peak_bytes, "fits": other.fits, "max_micro_batch": other.max_micro_batch,
-                     "bytes": comm.by_kind(), "total_bytes": comm.total_bytes,
-                     "link_seconds": None if comm.link_seconds is None else round(comm.link_seconds, 3),
-                     "best": False})
+        comm = other.communication.to_dict()
+        rows.append({"layout": comm["layout"], "expert_parallel": other.details["expert_parallel"],
+                     "dense_layout": other.details["dense_layout"], "change": change, "set": set_values(change),
+                     "current": not change, "peak_bytes": other.peak_bytes, "fits": other.fits,
+                     "max_micro_batch": other.max_micro_batch, "bytes": comm["by_kind"],
+                     "total_bytes": comm["total_bytes"], "link_seconds": comm["link_seconds"], "best": False})
     if len(rows) < 2:
         return []
     runnable = [r for r in rows if r["max_micro_batch"] > 0]

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from orbitctl.arch.spec import ArchSpec
 from orbitctl.plan.activations import ActivationSettings, train_activations
 from orbitctl.plan.adapters import AdapterPlan, plan_adapters
-from orbitctl.plan.comm import all_to_all_buffers, bytes_text, communication, compute_dtype_bytes, rollout_batch
+from orbitctl.plan.comm import (all_to_all_buffers, bytes_text, communication, compute_dtype_bytes, prompt_tokens,
+                                rollout_batch)
 from orbitctl.plan.layout import Layout, gather_units, gather_window, host_base, layout_of, resident_base
 from orbitctl.plan.result import MemoryPlan
 from orbitctl.plan.states import model_states
@@ -66,8 +67,7 @@ def _kv_cache(profile, arch: ArchSpec, mb: int) -> tuple[float, int]:
 
 def _rollout_working(profile, arch: ArchSpec, seqs: int) -> float:
     """No-grad prefill of the prompts (one layer's intermediates) plus sampling logits."""
-    prompt = max(1, profile.memory.seq_len - profile.rollout.max_new_tokens)
-    tokens = seqs * prompt
+    tokens = seqs * prompt_tokens(profile)
     if profile.rollout.engine == "separate":
         tokens = min(tokens, VLLM_PREFILL_TOKENS * profile.rollout.engine_tp)
     h = arch.hidden_size
@@ -151,7 +151,7 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
     rollout_work = _rollout_working(profile, arch, seqs)
     separate = ro.engine == "separate"
     engine = storage.total_bytes / ro.engine_tp if separate else 0.0
-    prefill = seqs * max(1, mem.seq_len - ro.max_new_tokens)  # the prompts' one forward: the largest exchange
+    prefill = seqs * prompt_tokens(profile)  # the prompts' one forward: the largest exchange
     a2a_update = all_to_all_buffers(arch, layout, st.tokens, cdt)
     a2a_rollout = 0.0 if separate else all_to_all_buffers(arch, layout, prefill, cdt)
     comm = communication(profile, arch, storage, layout, ad, micro_batch=mb)

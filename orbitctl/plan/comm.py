@@ -77,6 +77,11 @@ def rollout_batch(profile, micro_batch: int) -> int:
     return profile.rollout.batch_size or micro_batch * profile.rl.group_size
 
 
+def prompt_tokens(profile) -> int:
+    """Prompt tokens of one rollout sequence: what the completion leaves of seq_len (at least 1)."""
+    return max(1, profile.memory.seq_len - profile.rollout.max_new_tokens)
+
+
 def step_shape(profile, micro_batch: int | None = None) -> StepShape:
     """The step's counts; ``micro_batch`` overrides memory.micro_batch_size (and the rollout batch it implies)."""
     mem, rl, ro = profile.memory, profile.rl, profile.rollout
@@ -89,7 +94,7 @@ def step_shape(profile, micro_batch: int | None = None) -> StepShape:
     reference = micro if rl.kl_ref_coef > 0 else 0
     return StepShape(
         sequences=sequences, rollout_rounds=math.ceil(sequences / batch), rollout_forwards=1 + ro.max_new_tokens,
-        prefill_tokens=sequences * max(1, mem.seq_len - ro.max_new_tokens), decode_tokens=sequences * ro.max_new_tokens,
+        prefill_tokens=sequences * prompt_tokens(profile), decode_tokens=sequences * ro.max_new_tokens,
         micro_batches=micro, no_grad_passes=old_logprobs + reference, tokens_per_micro_batch=mb * mem.seq_len,
         optimizer_steps=rl.ppo_epochs * rl.minibatches, recompute=mem.gradient_checkpointing)
 
@@ -122,7 +127,7 @@ class Communication:
 
     def by_kind(self) -> dict[str, int]:
         """Bytes gathered, exchanged and all-reduced (COMM_KINDS)."""
-        out = dict.fromkeys(dict.fromkeys(COMM_KINDS.values()), 0)
+        out = dict.fromkeys(COMM_KINDS.values(), 0)
         for term, n in self.terms.items():
             out[COMM_KINDS[term]] += n
         return out

@@ -1,7 +1,10 @@
 """Root causes named for failure logs copied from public issue threads (tests/doctor/fixtures/real).
 
 Each log's expected root cause was chosen from what its thread settled on; index.json records the
-source. benchmarks/doctor_real_logs.py prints the same comparison as a table.
+source. benchmarks/doctor_real_logs.py prints the same comparison as a table. The RL-stack entries
+carry 'categories' (engine, lora, zero3, ray, numerics, checkpoint, sync, launcher, interleaving,
+cut, clean): every category has at least two logs, and a log whose fatal line is missing ('cut')
+never gets a confident cause.
 """
 
 import importlib.util
@@ -9,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from orbitctl.doctor import FAIL, UNKNOWN, WARN, triage_log
 
 BENCH = Path(__file__).parents[2] / "benchmarks" / "doctor_real_logs.py"
 _spec = importlib.util.spec_from_file_location("doctor_real_logs", BENCH)
@@ -18,6 +23,12 @@ _spec.loader.exec_module(real)
 
 INDEX = real.load_index()
 REQUIRED_ACCURACY = 0.9
+RL_CATEGORIES = ("engine", "lora", "zero3", "ray", "numerics", "checkpoint", "sync", "launcher", "interleaving", "cut",
+                 "clean")
+RL_IDS = {"log.oom.kv", "log.kv.len", "log.kv.util", "log.lora.rank", "log.lora.modules", "log.lora.unsupported",
+          "log.lora.mismatch", "log.zero3.gather", "log.zero3.ckpt", "log.zero3.hang", "log.ray.threads", "log.ray.died",
+          "log.train.scale", "log.train.nan", "log.ckpt.nospace", "log.ckpt.write", "log.ckpt.corrupt", "log.ckpt.perm",
+          "log.sync.weights", "log.launcher", "log.exception", "log.cut"}
 
 
 def test_the_set_is_large_and_varied():
@@ -29,6 +40,33 @@ def test_the_set_is_large_and_varied():
             "log.nccl.ib", "log.nccl.if", "log.nccl.p2p", "log.port", "log.cuda.ima", "log.cuda.assert", "log.cuda.arch",
             "log.cuda.drv", "log.cuda.802", "log.cuda.ecc", "log.xid", "log.bnb"} <= expected
     assert all((real.REAL_LOGS / e["file"]).is_file() for e in INDEX)
+
+
+def _by_category(category):
+    return [e for e in INDEX if category in e.get("categories", ())]
+
+
+@pytest.mark.parametrize("category", RL_CATEGORIES)
+def test_every_rl_category_has_two_real_logs_with_their_source(category):
+    entries = _by_category(category)
+    assert len(entries) >= 2
+    assert all(e["source"]["url"].startswith(f"https://github.com/{e['source']['repo']}/") for e in entries)
+    assert len({e["source"]["url"] for e in entries}) == len(entries)
+
+
+def test_rl_set_names_every_new_root_cause():
+    expected = {e["expected"] for e in INDEX if e.get("categories")}
+    assert RL_IDS <= expected
+    outcomes = [real.triage_one(e) for e in INDEX if e.get("categories")]
+    assert [(o.file, o.expected, o.got) for o in outcomes if not o.ok] == []
+
+
+@pytest.mark.parametrize("entry", [pytest.param(e, id=e["file"][:-4]) for e in _by_category("cut")])
+def test_a_log_missing_its_fatal_line_is_never_a_confident_cause(entry):
+    result = triage_log((real.REAL_LOGS / entry["file"]).read_text(encoding="utf-8"))
+    assert result.root_cause is not None and result.root_cause.status in (WARN, UNKNOWN)
+    assert [f.id for f in result.findings if f.status == FAIL] == []
+    assert "not in this log" in result.root_cause.title or "missing" in result.root_cause.title
 
 
 def test_accuracy_on_real_logs():

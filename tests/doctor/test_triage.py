@@ -11,6 +11,7 @@ from orbitctl.doctor.oom import parse_oom, parse_size
 from orbitctl.doctor.signatures import SIGNATURES
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"
+REAL = Path(__file__).parent / "fixtures" / "real"
 
 # fixture -> (root cause id, its rank, other ids that must be reported)
 EXPECTED = {
@@ -90,8 +91,8 @@ def test_root_cause(name):
 
 def test_every_signature_has_a_fixture_that_fires_it():
     fired = set()
-    for path in LOGS.glob("*.log"):
-        fired |= {f.id for f in triage_log(path.read_text()).findings}
+    for path in [*LOGS.glob("*.log"), *REAL.glob("*.log")]:
+        fired |= {f.id for f in triage_log(path.read_text(encoding="utf-8")).findings}
     fired = {i.removeprefix("log.") for i in fired}
     missing = [s.id for s in SIGNATURES if s.id not in fired and not (s.id == "oom" and fired & {"oom.cap", "oom.frag"})]
     assert missing == []

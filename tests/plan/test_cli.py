@@ -17,7 +17,8 @@ runner = CliRunner()
 def test_fitting_profile_prints_table_and_exits_0(capsys):
     assert main(["plan", KIMI]) == 0
     out = capsys.readouterr().out
-    assert "policy_update (peak)" in out and "zero3_gather" in out and "FITS" in out
+    assert "policy_update (peak)" in out and "routed_experts" in out and "FITS" in out
+    assert "all_to_all_buffers" in out and "zero3_gather_rollout" in out and "base layouts" in out
 
 
 def test_not_fitting_profile_exits_1_with_advice(capsys):
@@ -30,13 +31,15 @@ def test_json_is_one_document(capsys):
     assert main(["plan", KIMI, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["fits"] is True and doc["profile"] == "kimi-k2_grpo_int4_8xb200"
-    assert doc["peak_bytes"] <= doc["usable_bytes"] and doc["max_micro_batch"] >= 8
+    assert doc["peak_bytes"] <= doc["usable_bytes"] and doc["max_micro_batch"] >= 4
+    assert doc["communication"]["layout"] == "EP 8, dense replicated" and doc["communication"]["total_bytes"] > 0
+    assert [row["best"] for row in doc["layouts"] if row["current"]] == [True]
 
 
 def test_sweep_table_and_json(capsys):
-    assert main(["plan", KIMI, "--sweep", "memory.micro_batch_size=1,8,64", "--json"]) == 0
+    assert main(["plan", KIMI, "--sweep", "memory.micro_batch_size=1,4,64", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["sweep"]
-    assert [r["values"]["memory.micro_batch_size"] for r in rows] == [1, 8, 64]
+    assert [r["values"]["memory.micro_batch_size"] for r in rows] == [1, 4, 64]
     assert rows[0]["peak_bytes"] < rows[1]["peak_bytes"] < rows[2]["peak_bytes"]
     assert [r["fits"] for r in rows] == [True, True, False]
     assert main(["plan", KIMI, "--sweep", "memory.micro_batch_size=1,2", "--sweep", "memory.seq_len=1024,2048"]) == 0

@@ -41,10 +41,31 @@ def test_shipped_gpu_profiles_fit(path):
 
 
 def test_kimi_b200_reference_numbers(kimi_b200):
+    from orbitctl.plan import apply_changes
+
     plan = plan_profile(kimi_b200)
     gib = 2**30
-    # INT4 g32 experts + bf16 rest = 594.2 GB over 8 GPUs
-    assert plan.per_gpu_bytes["base_weights"] / gib == pytest.approx(69.2, abs=0.1)
-    # all 384 experts of a layer gathered, current + one prefetched layer: about 18 GiB
-    assert 17 < plan.per_gpu_bytes["zero3_gather"] / gib < 19
+    # expert parallelism 8: 48 of 384 INT4 g32 experts per GPU; the bf16 dense part whole on every GPU
+    assert plan.per_gpu_bytes["routed_experts"] / gib == pytest.approx(66.4, abs=0.1)
+    assert plan.per_gpu_bytes["base_weights"] / gib == pytest.approx(22.1, abs=0.1)
+    assert plan.per_gpu_bytes.get("zero3_gather", 0) == 0
     assert plan.params_total / 1e9 == pytest.approx(1026.4, abs=0.1)
+    # the base's ZeRO-3 layout: 594.2 GB over 8 GPUs, all 384 experts of a layer gathered with one prefetched: ~18 GiB
+    sharded = plan_profile(apply_changes(kimi_b200, {"memory.expert_parallel": 1, "memory.zero_stage": 3,
+                                                     "memory.dense_layout": "sharded"}), with_advice=False)
+    base = sharded.per_gpu_bytes["base_weights"] + sharded.per_gpu_bytes["routed_experts"]
+    assert base / gib == pytest.approx(69.2, abs=0.1)
+    assert 17 < sharded.per_gpu_bytes["zero3_gather"] / gib < 19
+
+
+@pytest.mark.parametrize("path", [p for p in PROFILES if p.stem.startswith(("kimi", "deepseek", "qwen3"))],
+                         ids=lambda p: p.stem)
+def test_shipped_moe_profiles_use_the_layout_that_sends_least(path):
+    plan = plan_profile(load_profile(path))
+    rows = {row["layout"]: row for row in plan.layouts}
+    assert len(rows) == 4
+    current = next(row for row in plan.layouts if row["current"])
+    assert current["best"] and current["fits"] and current["layout"] == "EP 8, dense replicated"
+    assert current["total_bytes"] * 5 < rows["EP 8, dense sharded"]["total_bytes"] < rows["EP 1, dense sharded"]["total_bytes"]
+    text = path.read_text()
+    assert "expert_parallel: 8" in text and "dense_layout: replicated" in text and "Why this layout" in text

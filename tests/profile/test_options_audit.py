@@ -44,7 +44,8 @@ UNBUILT = [
     (["rollout.engine_tp=4"], "rollout.engine_tp", "4"),
     (["rollout.engine_sleep=false"], "rollout.engine_sleep", "false"),
     (["rollout.kv_dtype=fp8"], "rollout.kv_dtype", "fp8"),
-    (["hardware.gpus_per_node=2", "memory.expert_parallel=2"], "memory.expert_parallel", "2"),  # nf4 experts
+    (["hardware.gpus_per_node=2", "memory.expert_parallel=2", "adapter.targets=attention+shared"],
+     "memory.expert_parallel", "2"),  # nf4 experts
     (["hardware.gpus_per_node=2", "memory.expert_parallel=2", "quant.format=int4", "adapter.targets=all-linear"],
      "memory.expert_parallel", "2"),
     (["memory.zero_stage=3", "memory.offload_optimizer=cpu", "memory.offload_params=cpu"], "memory.offload_params", "cpu"),
