@@ -56,6 +56,22 @@ def train_command(
     after = "n/a" if result.eval_after is None else f"{result.eval_after:.1%}"
     output.show(f"held-out greedy accuracy: before {before} -> after {after}  "
                 f"({result.steps} steps, {result.wall_s:.0f} s; adapter in {result.adapter_dir})")
+    phases = (result.last_metrics or {}).get("phase_memory")
+    if phases:
+        output.show(_memory_table(phases, (result.last_metrics or {}).get("phase_memory_kind", "")))
+
+
+def _memory_table(phases: dict, kind: str):
+    """Measured (per rank) against predicted peak memory per phase, GiB."""
+    ranks = max(len(p["measured_bytes"]) for p in phases.values())
+    table = output.table(f"memory per phase, GiB ({kind}; predicted by orbitctl plan)",
+                         ("phase", "predicted", *(f"rank {r}" for r in range(ranks)), "measured/predicted"))
+    for name, p in phases.items():
+        ratio = p.get("ratio")
+        table.add_row(name, "-" if p["predicted_bytes"] is None else gib(p["predicted_bytes"], 3),
+                      *("-" if m is None else gib(m, 3) for m in p["measured_bytes"]),
+                      "-" if ratio is None else f"{ratio:.2f}")
+    return table
 
 
 class LiveView:
@@ -94,7 +110,20 @@ class LiveView:
         return (f"step {r['step']}/{self.total}  reward {fmt(r['reward_mean'], '.3f')}  acc {fmt(r['accuracy'], '.1%')}  "
                 f"{self.last_eval}  entropy {fmt(r['entropy'], '.3f')}  k3 {fmt(r['mismatch_k3_kl'], '.1e')}  "
                 f"|dlogp|max {fmt(r['mismatch_logp_abs_max'], '.1e')}  {fmt(r['samples_per_s'], '.0f')} samples/s  "
-                f"{fmt(r['tokens_per_s'], '.0f')} tok/s  mem {gib(r['peak_memory_bytes'])} GiB")
+                f"{fmt(r['tokens_per_s'], '.0f')} tok/s  mem {self._memory(r)}")
+
+    @staticmethod
+    def _memory(r: dict) -> str:
+        """Measured/predicted GiB per phase (the largest rank), else the process's peak."""
+        phases = r.get("phase_memory")
+        if not phases:
+            return f"{gib(r['peak_memory_bytes'])} GiB"
+        parts = []
+        for name, p in phases.items():
+            known = [m for m in p["measured_bytes"] if m is not None]
+            predicted = "-" if p["predicted_bytes"] is None else gib(p["predicted_bytes"])
+            parts.append(f"{name} {gib(max(known)) if known else '-'}/{predicted}")
+        return " ".join(parts) + " GiB (measured/plan)"
 
     def close(self) -> None:
         self.line.close()

@@ -216,10 +216,12 @@ class _TracebackTail:
 
     def track(self, no: int, line: str) -> None:
         head = line[:MAX_LINE]
-        if (m := _FRAME.search(head)) is not None:
+        m = _FRAME.search(head) if ('File "' in head or "Traceback" in head) else None
+        if m is not None:
             where = f"{m.group('func')} ({m.group('file')}:{m.group('line')})" if m.group("func") else "Traceback"
             self.frame = (no, where)
-        if _EXC_ANYWHERE.search(head[m.end():] if m else head):
+        rest = head[m.end():] if m else head
+        if ("Error" in rest or "Exception" in rest) and _EXC_ANYWHERE.search(rest):
             self.closed(no)
 
     def closed(self, no: int) -> None:

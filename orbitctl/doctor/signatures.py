@@ -228,7 +228,8 @@ SIGNATURES: list[Signature] = [
          "set run.dir to a writable directory", priority=77),
     _sig("train.nan", r"Current loss scale already at minimum|loss'?\"?(?: is|=|:)\s*(?:nan|inf)\b|non-finite loss|"
          r"Detected NaN|nan or inf (?:found|detected)|returned nan values in its \d+\w* output|"
-         r"grad[_ ]norm'?\"?:\s*(?:nan|inf)\b", ("loss scale already at minimum", "nan", "inf"),
+         r"grad[_ ]norm'?\"?:\s*(?:nan|inf)\b", ("loss scale already at minimum", "nan", ": inf", ":inf", "=inf", "= inf",
+                                                " is inf"),
          "training diverged (NaN/inf loss)", FAQ_INSTABILITY, priority=65, flags=re.I),
     # a scale that halves to its floor is a collapse; one that settles high is routine fp16 start-up
     _sig("train.scale", r"Attempted loss scale: (?P<from>[\d.]+(?:e[-+]?\d+)?), reducing to (?P<to>[\d.]+(?:e[-+]?\d+)?)|"

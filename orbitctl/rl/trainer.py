@@ -128,6 +128,10 @@ def run_loop(profile, fresh, emit, rank, world, torch) -> TrainResult:
     torch.distributed.barrier()
     if rank != 0:
         base = prepare_frozen_base(profile, split.warm_task)
+    from orbitctl.model.cpu_dtype import run_device_type
+    from orbitctl.rl.phases import PhaseMemory
+
+    meter = PhaseMemory.for_profile(profile, run_device_type(profile))  # the baseline: before the model is built
     policy = load_policy(profile, base)
     emit("setup", {"adapter": policy.report.summary(), "base": str(base.quantized_dir), "built": base.built,
                    "quant": quant_summary(base.quantized_dir),
@@ -171,9 +175,10 @@ def run_loop(profile, fresh, emit, rank, world, torch) -> TrainResult:
     keep_dist = rl.align_loss.kind == "kl" and rl.align_loss.weight > 0 and dist_bytes <= FULL_DIST_BUDGET_BYTES
     while step < rl.steps:
         items = stream.next_batch(rl.prompts_per_step)
-        batch = collect(policy, items, reward_fn, group_size=rl.group_size, batch_size=profile.rollout_batch_size,
-                        max_new_tokens=max_new, temperature=profile.rollout.temperature, top_p=profile.rollout.top_p,
-                        generator=generator, keep_dist=keep_dist)
+        with meter.phase("rollout"):
+            batch = collect(policy, items, reward_fn, group_size=rl.group_size, batch_size=profile.rollout_batch_size,
+                            max_new_tokens=max_new, temperature=profile.rollout.temperature,
+                            top_p=profile.rollout.top_p, generator=generator, keep_dist=keep_dist)
         advantages = group_advantages(batch.rewards, rl.group_size, rl.std_normalize) if rl.algorithm == "grpo" \
             else _ppo_advantages(batch.rewards, rl.group_size)
         rollout_stats = _rollout_stats(batch)
@@ -182,7 +187,9 @@ def run_loop(profile, fresh, emit, rank, world, torch) -> TrainResult:
         def on_step(stats, seconds, applied, grad_norm):
             updates.append({"stats": stats, "seconds": seconds, "applied": applied, "grad_norm": grad_norm})
 
-        run_update(engine, policy, batch, advantages, profile, on_step, max_steps=rl.steps - step)
+        with meter.phase("policy_update"):
+            run_update(engine, policy, batch, advantages, profile, on_step, max_steps=rl.steps - step)
+        memory = meter.report()
         for i, upd in enumerate(updates):
             step += 1
             applied = upd["applied"] and upd["stats"].finite
@@ -198,7 +205,8 @@ def run_loop(profile, fresh, emit, rank, world, torch) -> TrainResult:
                 result = evaluator()
                 if result:
                     record.update(result)
-            record["warnings"] = health.check(record)
+            record["phase_memory"], record["phase_memory_kind"] = memory["phase_memory"], memory["phase_memory_kind"]
+            record["warnings"] = health.check(record) + (memory["memory_warnings"] if i == 0 else [])
             metrics.append(record)
             last = record
             emit("step", record)

@@ -1,0 +1,132 @@
+"""Every run measures its memory against the plan: each rank's peak per phase, next to the prediction.
+
+    meter = PhaseMemory.for_profile(profile, device)   # before the model is built: the baseline
+    with meter.phase("rollout"):
+        ...
+    meter.report()   # collective: {"phase_memory": {phase: {predicted_bytes, measured_bytes: [per rank]}}, ...}
+
+On a GPU a phase's peak is ``torch.cuda.max_memory_allocated`` (reset as the phase starts) and the
+device's used memory from NVML as the phase ends (context, NCCL, other processes). On the CPU it
+is the rise of the process's resident set over its size before the model was built: the kernel's
+high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``) at the end of the phase, minus
+that baseline. The prediction is ``orbitctl plan``'s peak of the same phase for this profile. A
+measured/predicted ratio outside :data:`RATIO_BAND` (and more than :data:`SLACK_BYTES` apart) is a warning
+that names the phase, given once each time the ratio leaves the band.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from orbitctl.units import gib
+
+PHASES = ("rollout", "policy_update")
+"""The phases train runs as steps of its own (the shared engine syncs no adapter: rollout reads it in place)."""
+RATIO_BAND = (0.8, 1.2)
+SLACK_BYTES = 256 * 2**20
+"""A difference smaller than this is not warned about whatever the ratio: on a tiny model the process's
+own allocations (allocator arenas, kernels, DeepSpeed's buffers) outweigh everything the plan models."""
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _reset_high_water() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _nvml_used(index: int) -> int | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).used)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return None
+
+
+class PhaseMemory:
+    """This rank's peak memory per phase (the largest seen over the run so far) and the plan's prediction."""
+
+    def __init__(self, predicted: dict[str, int | None], device: str = "cpu") -> None:
+        self.predicted = predicted
+        self.device = device
+        self.cuda = device.startswith("cuda")
+        self.baseline = 0 if self.cuda else (_status_kib("VmRSS") or 0)
+        self.measured: dict[str, int] = {}
+        self.device_used: dict[str, int] = {}
+        self.kind = "cuda_max_allocated" if self.cuda else "rss_rise"
+        self._outside: set[str] = set()
+
+    @classmethod
+    def for_profile(cls, profile, device: str = "cpu") -> "PhaseMemory":
+        """The plan's per-phase peak for ``profile`` (None where the planner has no such phase)."""
+        from orbitctl.plan import plan_profile
+
+        peaks = plan_profile(profile, with_advice=False).phase_peak_bytes
+        return cls({phase: peaks.get(phase) for phase in PHASES}, device)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        import torch
+
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        elif not _reset_high_water():
+            self.kind = "rss_rise_lifetime"  # no resettable high-water mark: the process's peak so far
+        try:
+            yield
+        finally:
+            if self.cuda:
+                peak = int(torch.cuda.max_memory_allocated())
+                used = _nvml_used(torch.cuda.current_device())
+                if used is not None:
+                    self.device_used[name] = max(self.device_used.get(name, 0), used)
+            else:
+                peak = max(0, (_status_kib("VmHWM") or _status_kib("VmRSS") or 0) - self.baseline)
+            self.measured[name] = max(self.measured.get(name, 0), peak)
+
+    def report(self) -> dict:
+        """Collective (every rank calls it): measured per phase and rank beside the prediction, and the
+        warnings of phases whose ratio just left the band."""
+        import torch.distributed as dist
+
+        mine = {"measured": self.measured, "device_used": self.device_used}
+        ranks = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, mine)
+        phases, warnings = {}, []
+        for name in PHASES:
+            measured = [r["measured"].get(name) for r in ranks]
+            predicted = self.predicted.get(name)
+            entry = {"predicted_bytes": predicted, "measured_bytes": measured}
+            if any(r["device_used"] for r in ranks):
+                entry["device_used_bytes"] = [r["device_used"].get(name) for r in ranks]
+            known = [m for m in measured if m is not None]
+            if predicted and known:
+                entry["ratio"] = max(known) / predicted
+                outside = not (RATIO_BAND[0] <= entry["ratio"] <= RATIO_BAND[1]) and \
+                    abs(max(known) - predicted) > SLACK_BYTES
+                if outside and name not in self._outside:
+                    warnings.append(f"{name} memory measured {gib(max(known), 3)} GiB, plan predicted "
+                                    f"{gib(predicted, 3)} GiB (ratio {entry['ratio']:.2f}, outside "
+                                    f"{RATIO_BAND[0]}-{RATIO_BAND[1]})")
+                (self._outside.add if outside else self._outside.discard)(name)
+            phases[name] = entry
+        return {"phase_memory": phases, "phase_memory_kind": self.kind, "memory_warnings": warnings}
