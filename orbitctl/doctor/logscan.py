@@ -130,8 +130,29 @@ def line_rank(line: str, pid_rank: dict[str, int]) -> int | None:
     return None
 
 
+def needle_pattern(needles: set[str]) -> str:
+    """One regex that finds any of ``needles``, as a trie: one branch per character instead of one per needle.
+
+    Only whether some needle occurs matters, so a needle that is a prefix of others stands for them.
+    """
+    trie: dict = {}
+    for needle in needles:
+        node = trie
+        for ch in needle:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def emit(node: dict) -> str:
+        if "" in node:
+            return ""
+        alts = [re.escape(ch) + emit(child) for ch, child in sorted(node.items())]
+        return alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+
+    return emit(trie)
+
+
 # One pass over a line tells whether any signature could match; most lines of a log have no needle.
-_ANY_NEEDLE = re.compile("|".join(sorted({re.escape(n) for s in SIGNATURES for n in s.needles}, key=len, reverse=True)))
+_ANY_NEEDLE = re.compile(needle_pattern({n for s in SIGNATURES for n in s.needles}))
 
 
 def match_line(chunk: str) -> list[tuple[Signature, re.Match]]:

@@ -2,7 +2,11 @@
 
 ``priority`` ranks root causes above their consequences: hardware and start-up faults
 (Xid, ECC, fabric, driver, arch) > memory > CUDA faults > NCCL transport errors > generic
-NCCL errors > peers exiting > watchdog timeouts > communicator aborts. ``needles`` are
+NCCL errors > peers exiting > watchdog timeouts > communicator aborts. The RL stack's own
+failures (engine KV cache, LoRA, ZeRO-3, checkpoint I/O, thread limits) rank with memory faults;
+``sync.ctx`` (INFO) and ``zero3.trace`` (WARN) are context that orbitctl.doctor.rules reads to
+place a transport failure or a hang, and ``launcher`` (WARN) is only the launcher's summary of
+a rank that exited. ``needles`` are
 lowercase substrings one of which must be in a line before its regex runs (fast, and no
 regex ever sees a line that cannot match). Every regex is linear: no nested quantifiers.
 """

@@ -84,14 +84,28 @@ def _replay(events: Path, on_event: Callable[[str, dict], None] | None, seen: in
     return max(seen, len(complete))
 
 
+CONSEQUENCES = ("Connection reset by peer", "Connection closed by peer", "Watchdog caught collective operation timeout",
+                "NCCL communicator was aborted", "Broken pipe")
+"""What a rank says when another rank died under it: the peer's failure is the cause, not this."""
+
+
+def _consequence(failure) -> int:
+    """0 for a rank that died on its own (killed by a signal other than the launcher's SIGTERM), 1 for one
+    that failed with its own error, 2 for one whose error is another rank's death, 3 for one the launcher
+    stopped: the root cause sorts first."""
+    code = failure.exitcode or 0
+    if code < 0:
+        return 3 if failure.signal_name() == "SIGTERM" else 0
+    message = failure.message if isinstance(failure.message, str) else ""
+    return 2 if any(text in message for text in CONSEQUENCES) else 1
+
+
 def _root_failure(exc) -> tuple[int, int, str]:
     """(rank, exit code, message) of the rank that failed first."""
     failures = getattr(exc, "failures", {}) or {}
     if not failures:
         return -1, 1, str(exc)
-    # the first rank that failed on its own: an exit code of its own and a recorded message come before a
-    # rank the launcher stopped afterwards (a negative code: killed by a signal it sent)
-    rank, failure = min(failures.items(), key=lambda kv: (not (kv[1].exitcode or 0) > 0, kv[1].timestamp or 0, kv[0]))
+    rank, failure = min(failures.items(), key=lambda kv: (_consequence(kv[1]), kv[1].timestamp or 0, kv[0]))
     message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
     if not message or message.startswith("To enable traceback"):
         signal = failure.signal_name() if failure.exitcode is not None and failure.exitcode < 0 else None

@@ -19,12 +19,12 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from orbitctl.units import gib
+from orbitctl.units import MiB, gib
 
 PHASES = ("rollout", "policy_update")
 """The phases train runs as steps of its own (the shared engine syncs no adapter: rollout reads it in place)."""
 RATIO_BAND = (0.8, 1.2)
-SLACK_BYTES = 256 * 2**20
+SLACK_BYTES = 256 * MiB
 """A difference smaller than this is not warned about whatever the ratio: on a tiny model the process's
 own allocations (allocator arenas, kernels, DeepSpeed's buffers) outweigh everything the plan models."""
 

@@ -230,3 +230,19 @@ def test_bitsandbytes_warning_does_not_hide_a_later_oom():
     text = ("UserWarning: The installed version of bitsandbytes was compiled without GPU support. 8-bit optimizers are "
             "unavailable.\n" + (LOGS / "oom_current_cap.log").read_text())
     assert triage_log(text).root_cause.id == "log.oom.cap"
+
+
+def test_needle_prefilter_finds_exactly_the_lines_some_needle_is_in():
+    import re
+
+    from orbitctl.doctor.logscan import needle_pattern
+
+    needles = {"nan", "nccl error", "nccl warn", "cuda error:", "cuda", "-9", ": inf"}
+    trie = re.compile(needle_pattern(needles))
+    naive = re.compile("|".join(map(re.escape, needles)))
+    rng = random.Random(7)
+    pool = sorted(needles) + ["nc", "cud", " ", ":", "i", "n", "-"]
+    for _ in range(5000):
+        text = "".join(rng.choice(pool) for _ in range(rng.randint(0, 8)))
+        assert bool(trie.search(text)) == bool(naive.search(text)), text
+    assert trie.search("loss: inf") and not trie.search("info nc cud")

@@ -92,10 +92,13 @@ def test_two_ranks_train_resume_after_sigkill_to_the_same_adapter(tmp_path):
     run = tmp_path / "straight"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    memory = records[-1]["phase_memory"]  # both ranks' peaks beside the plan's prediction
+    assert set(memory) == {"rollout", "policy_update"}
+    assert all(len(p["measured_bytes"]) == 2 and p["predicted_bytes"] > 0 for p in memory.values())
 
     killed = moe_profile(tmp_path, "killed")
     proc = subprocess.Popen([sys.executable, "-m", "orbitctl.cli.app", "train", str(killed), "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     marker = tmp_path / "killed" / "checkpoints" / "step-2" / "COMPLETE"
     deadline = time.monotonic() + 400
     while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:

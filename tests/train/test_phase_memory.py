@@ -1,0 +1,45 @@
+"""Per-phase memory: a phase's measured peak sees what the phase allocates, and the ratio to the plan is judged."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from orbitctl.rl.phases import RATIO_BAND, SLACK_BYTES, PhaseMemory  # noqa: E402
+from orbitctl.units import MiB  # noqa: E402
+
+
+def test_a_phase_measures_what_it_allocates_on_the_cpu():
+    meter = PhaseMemory({"rollout": 1, "policy_update": 1})
+    with meter.phase("rollout"):
+        block = torch.ones(96 * MiB // 4)  # 96 MiB, touched
+        del block
+    with meter.phase("policy_update"):
+        pass
+    assert meter.kind in ("rss_rise", "rss_rise_lifetime")
+    assert meter.measured["rollout"] >= 90 * MiB
+    if meter.kind == "rss_rise":  # the high-water mark was reset for the second phase
+        assert meter.measured["policy_update"] < meter.measured["rollout"]
+
+
+def test_the_ratio_is_judged_once_per_excursion():
+    meter = PhaseMemory({"rollout": 1024 * MiB, "policy_update": None})
+    meter.measured = {"rollout": int(1024 * MiB * (RATIO_BAND[1] + 0.3))}
+    first = meter.report()
+    entry = first["phase_memory"]["rollout"]
+    assert entry["predicted_bytes"] == 1024 * MiB and entry["measured_bytes"] == [meter.measured["rollout"]]
+    assert entry["ratio"] == pytest.approx(RATIO_BAND[1] + 0.3)
+    assert len(first["memory_warnings"]) == 1 and "rollout" in first["memory_warnings"][0]
+    assert meter.report()["memory_warnings"] == []  # still outside: said once
+    meter.measured["rollout"] = 1024 * MiB  # back inside, then out again: said again
+    assert meter.report()["memory_warnings"] == []
+    meter.measured["rollout"] = 3 * 1024 * MiB
+    assert len(meter.report()["memory_warnings"]) == 1
+    assert "ratio" not in meter.report()["phase_memory"]["policy_update"]  # no prediction, no ratio
+
+
+def test_small_differences_are_not_warned_whatever_the_ratio():
+    meter = PhaseMemory({"rollout": 8 * MiB, "policy_update": None})
+    meter.measured = {"rollout": 8 * MiB + SLACK_BYTES // 2}
+    assert meter.report()["memory_warnings"] == []
