@@ -24,7 +24,7 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/orbitctl-ep-loading", help="where the checkpoint is written")
     args = parser.parse_args()
     # hidden 2048, expert width 1024: one expert is 3 x 2048 x 1024 INT4 weights, ~3.4 MB with its scales
-    experts, per_expert = 64, 3 * 2048 * 1024 * (0.5 + 2 / 32)
+    experts, per_expert = 96, 3 * 2048 * 1024 * (0.5 + 2 / 32)
     layers = max(1, round(args.gb * 1e9 * 0.97 / (experts * per_expert)))
     out = Path(args.out) / f"h2048-e{experts}-l{layers}"
     if not (out / "config.json").exists():

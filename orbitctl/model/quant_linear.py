@@ -58,13 +58,31 @@ class QuantLinear(nn.Module):
         return dequantize_fp8_blocks(self.weight, self.weight_scale_inv, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.dequantized_weight(x.dtype)
         bias = self.bias.to(x.dtype) if self.bias is not None else None
-        return nn.functional.linear(x, w, bias)
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return nn.functional.linear(x, self.dequantized_weight(x.dtype), bias)
+        return _DequantLinear.apply(x, self, bias)
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.fmt == "int4" else ", block=128x128"
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}{group}"
+
+
+class _DequantLinear(torch.autograd.Function):
+    """y = x W^T + b whose backward dequantizes W again instead of keeping it: autograd would otherwise hold
+    every layer's dense weight until the backward reaches it (a whole MoE layer's experts at once: 34 GB in
+    bf16 for one Kimi-K2 layer), where the packed weight it came from is already in memory. The weight is
+    frozen, so only the input's gradient is computed."""
+
+    @staticmethod
+    def forward(ctx, x, layer, bias):
+        ctx.layer = layer
+        return nn.functional.linear(x, layer.dequantized_weight(x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        w = ctx.layer.dequantized_weight(grad_out.dtype)
+        return grad_out @ w, None, None
 
 
 class ExpertMLP(nn.Module):

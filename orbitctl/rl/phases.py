@@ -8,8 +8,8 @@
 On a GPU a phase's peak is ``torch.cuda.max_memory_allocated`` (reset as the phase starts) and the
 device's used memory from NVML as the phase ends (context, NCCL, other processes). On the CPU it
 is the rise of the process's resident set over its size before the model was built: the kernel's
-high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``) at the end of the phase, minus
-that baseline. The prediction is ``orbitctl plan``'s peak of the same phase for this profile. A
+high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs`` after the allocator has given
+freed pages back) at the end of the phase, minus that baseline. The prediction is ``orbitctl plan``'s peak of the same phase for this profile. A
 measured/predicted ratio outside :data:`RATIO_BAND` (and more than :data:`SLACK_BYTES` apart) is a warning
 that names the phase, given once each time the ratio leaves the band.
 """
@@ -45,6 +45,18 @@ def _reset_high_water() -> bool:
         return True
     except OSError:
         return False
+
+
+def _return_freed_memory() -> None:
+    """Give the heap's freed pages back to the kernel (glibc's malloc_trim), so a phase's resident set starts
+    from what is in use rather than from what an earlier phase freed and the allocator kept."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _nvml_used(index: int) -> int | None:
@@ -87,7 +99,7 @@ class PhaseMemory:
 
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
-        elif not _reset_high_water():
+        elif _return_freed_memory() or not _reset_high_water():
             self.kind = "rss_rise_lifetime"  # no resettable high-water mark: the process's peak so far
         try:
             yield

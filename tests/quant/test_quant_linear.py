@@ -51,3 +51,25 @@ def test_compiles_without_graph_breaks(fmt):
     eager = layer(x)
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x), eager)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_backward_dequantizes_again_instead_of_keeping_the_dense_weight(fmt):
+    """The input's gradient equals the dense layer's, and autograd keeps only the input, not W (an [out, in]
+    dense copy per layer, which for a MoE layer's experts would be the whole layer in bf16)."""
+    layer, _ = _layer(fmt, out_f=512, in_f=1024)
+    x = torch.randn(4, 1024, dtype=torch.float32, requires_grad=True)
+    saved: list[int] = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(x)
+    y.square().sum().backward()
+    ref_x = x.detach().clone().requires_grad_(True)
+    torch.nn.functional.linear(ref_x, layer.dequantized_weight(torch.float32)).square().sum().backward()
+    assert torch.equal(x.grad, ref_x.grad)
+    weight_bytes = 512 * 1024 * 4
+    assert sum(saved) < weight_bytes / 8, saved  # y for the square; nothing weight-sized
