@@ -79,6 +79,8 @@ class PhaseMemory:
         self.predicted = predicted
         self.device = device
         self.cuda = device.startswith("cuda")
+        if not self.cuda:
+            _return_freed_memory()  # the baseline is what is in use, like every phase's start
         self.baseline = 0 if self.cuda else (_status_kib("VmRSS") or 0)
         self.measured: dict[str, int] = {}
         self.device_used: dict[str, int] = {}
