@@ -42,7 +42,7 @@ def check_machine(profile, snapshot=None) -> MachineFit:
     failed = [f for f in findings if f.id in MACHINE_CHECKS and f.status in ("FAIL", "UNKNOWN")
               and not (f.id == "gpu.count" and len(snap.nvml.gpus) >= hw.gpus_per_node)]
     if failed:
-        evidence = "; ".join(dict.fromkeys(e for f in failed for e in f.evidence[:2]))
+        evidence = "; ".join(dict.fromkeys(f.evidence[0] for f in failed if f.evidence))
         raise UserError(f"hardware: the profile needs {hw.gpus_per_node} x {hw.gpu} on this node, and here {evidence}",
                         fix=f"run it on a node with {hw.gpus_per_node} {hw.gpu} GPUs, or set hardware.gpu and "
                             f"hardware.gpus_per_node to this machine's (`orbitctl doctor --profile PROFILE` shows what is "
