@@ -5,7 +5,8 @@
     orbitctl plan profiles/kimi-k2_grpo_int4_8xh200.yaml --sweep memory.micro_batch_size=1,2,4,8
 
 Renders what orbitctl.plan computes: the memory table, the verdict, the communication of one
-RL step and the comparison of base layouts; no rule of its own.
+RL step, its predicted seconds by phase (and on twice the nodes) and the comparison of base
+layouts; no rule of its own.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def plan(
         None, "--sweep", metavar="KEY=V1,V2", help="Plan every value of a key (repeatable: all combinations)."),
     measure: bool = typer.Option(
         False, "--measure", help="Calibrate activations and logits with one fake-tensor step of a 2-layer copy (imports torch)."),
+    measure_time: bool = typer.Option(
+        False, "--measure-time", help="Time one real RL step on this CPU (one rank) against the predicted seconds "
+                                      "per phase (imports torch)."),
     list_archs: bool = typer.Option(False, "--list-archs", help="List the built-in architectures and exit."),
 ) -> None:
     """Per-GPU memory by component and phase, the verdict, the largest micro-batch and advice.
@@ -43,10 +47,13 @@ def plan(
         orbitctl plan profiles/qwen3-235b-a22b_grpo_int4_8xh100.yaml --sweep memory.micro_batch_size=1,2,4,8
 
         orbitctl plan profiles/tiny-cpu.yaml --measure
+
+        orbitctl plan profiles/tiny-moe-cpu.yaml --set hardware.gpus_per_node=1 --set memory.expert_parallel=1 --measure-time
     """
     from orbitctl.plan import api
 
-    result = api.run_plan(profile, overrides(set_), sweeps=list(sweep or []), measure=measure, list_archs=list_archs)
+    result = api.run_plan(profile, overrides(set_), sweeps=list(sweep or []), measure=measure, list_archs=list_archs,
+                          measure_time=measure_time)
     if json_out:
         output.emit_json(result.to_dict())
     elif result.archs is not None:
@@ -93,9 +100,14 @@ def _render(result) -> None:
     if plan.communication is not None and plan.communication.total_bytes:
         output.show(_comm_table(plan.communication))
         _line(_comm_line(plan.communication))
+    if plan.timing is not None:
+        output.show(_time_table(plan.timing))
+    if plan.nodes:
+        output.show(_nodes_table(plan.nodes))
     if plan.layouts:
         output.show(_layouts_table(plan.layouts))
-        _line("*: the profile's layout; green: the least traffic of the layouts that run (max mb > 0)")
+        _line("*: the profile's layout; green: the least traffic, and the shortest predicted rollout and step, "
+              "of the layouts that run (max mb > 0)")
     for note in plan.notes:
         _line(f"note: {note}")
     if plan.advice:
@@ -105,6 +117,15 @@ def _render(result) -> None:
             _line(f"  {i}. {advice.text}   [dim]{flags}[/dim]")
     if result.measurement is not None:
         output.show(_measure_table(result.measurement))
+    if result.time_measurement is not None:
+        output.show(_measure_time_table(result.time_measurement))
+
+
+def seconds_text(s: float | None) -> str:
+    """orbitctl.plan.timing.seconds_text, imported when a table needs it (the CLI starts without the planner)."""
+    from orbitctl.plan.timing import seconds_text as text
+
+    return text(s)
 
 
 def _unit(rows) -> tuple[str, int]:
@@ -115,13 +136,6 @@ def _unit(rows) -> tuple[str, int]:
 
 def _in(n: float, unit: int) -> str:
     return f"{n / unit:,.0f}" if n >= 100 * unit else f"{n / unit:.2f}"
-
-
-def _seconds(s: float | None) -> str:
-    """'28.1 s', '5.4 min', '7.9 h'; '-' when the GPU has no peer-link figure (CPU ranks)."""
-    if s is None:
-        return "-"
-    return f"{s / 3600:.1f} h" if s >= 3600 else (f"{s / 60:.0f} min" if s >= 100 else f"{s:.1f} s")
 
 
 def _comm_table(comm):
@@ -140,7 +154,7 @@ def _comm_line(comm) -> str:
     step = comm.shape
     return (f"RL step per GPU: {step.sequences} completions in {step.rollout_rounds} rollout round(s) of "
             f"{step.rollout_forwards} forwards, {step.micro_batches} micro-batches of {step.tokens_per_micro_batch} "
-            f"tokens; at least {_seconds(comm.link_seconds)} of traffic on the GPU links")
+            f"tokens; at least {seconds_text(comm.link_seconds)} of traffic on the GPU links")
 
 
 def _layouts_table(rows):
@@ -148,7 +162,7 @@ def _layouts_table(rows):
 
     name, unit = _unit(rows)
     table = output.table(f"base layouts: peak GiB per GPU; {name} each GPU sends per RL step",
-                         ("EP", "dense", "peak", "max mb", "gather", "a2a", "reduce", "total", ">= time"),
+                         ("EP", "dense", "peak", "max mb", "gather", "a2a", "reduce", "total", ">= link", "rollout", "step"),
                          left=("dense",), no_wrap=True)
     table.box, table.pad_edge = box.SIMPLE_HEAD, False
     for row in rows:
@@ -157,8 +171,38 @@ def _layouts_table(rows):
         cells = [str(row["expert_parallel"]) + ("*" if row["current"] else ""), row["dense_layout"],
                  peak if row["fits"] else f"[red]{peak}[/red]", str(row["max_micro_batch"]), _in(b["gathered"], unit),
                  _in(b["exchanged"], unit), _in(b["all_reduce"], unit), _in(row["total_bytes"], unit),
-                 _seconds(row["link_seconds"])]
-        table.add_row(*(f"[bold green]{c}[/bold green]" if row["best"] else c for c in cells))
+                 seconds_text(row["link_seconds"]), seconds_text(row["rollout_seconds"]),
+                 seconds_text(row["step_seconds"])]
+        table.add_row(*(f"[bold green]{c}[/bold green]" if row["best"] else c for c in cells[:-2]),
+                      *(f"[bold green]{c}[/bold green]" if row["fastest"] else c for c in cells[-2:]))
+    return table
+
+
+def _time_table(timing):
+    from orbitctl.plan.timing import TIME_PHASES
+
+    eff = timing.efficiency
+    table = output.table(f"one RL step, predicted seconds per GPU: {seconds_text(timing.seconds)}, "
+                         f"{timing.gpu_hours:.3g} GPU-hours on {timing.world} GPU(s)",
+                         ("phase", "compute", "HBM", "comm", "time", "bound", "tokens/s", "floor"), no_wrap=True)
+    for name in TIME_PHASES:
+        p = timing.phases[name]
+        table.add_row(name, seconds_text(p.compute_s), seconds_text(p.memory_s), seconds_text(p.comm_s),
+                      seconds_text(p.seconds), p.bound, f"{p.tokens_per_s:,.0f}" if p.tokens else "-",
+                      seconds_text(p.floor_s))
+    table.caption = (f"time = max(compute, HBM) + comm; catalog peaks x {eff.compute:g} compute, {eff.hbm:g} HBM, "
+                     f"{eff.link:g} links\n(docs/plan.md, Time per RL step); floor: the same at the bare peaks")
+    return table
+
+
+def _nodes_table(rows):
+    table = output.table("the same run on more nodes (same global batch; NIC between nodes)",
+                         ("nodes", "GPUs", "rollout", "update", "step", "GPU-h", "decode tok/s", "fits"), no_wrap=True)
+    for row in rows:
+        ph = row["phase_seconds"]
+        table.add_row(str(row["nodes"]), str(row["world"]), seconds_text(ph["rollout"]),
+                      seconds_text(ph["policy_update"]), seconds_text(row["seconds"]), f"{row['gpu_hours']:.3g}",
+                      f"{row['rollout_tokens_per_s']:,.0f}", "yes" if row["fits"] else "[red]no[/red]")
     return table
 
 
@@ -175,6 +219,17 @@ def _measure_table(m):
     return table
 
 
+def _measure_time_table(m):
+    table = output.table("--measure-time: one real RL step on this machine (seconds)",
+                         ("phase", "predicted", "measured", "predicted/measured", "bound"))
+    for row in m.rows:
+        ratio = row["predicted_over_measured"]
+        table.add_row(row["phase"], f"{row['predicted_s']:.4f}", f"{row['measured_s']:.4f}",
+                      "-" if ratio is None else f"{ratio:.3g}", row["bound"])
+    table.caption = "\n".join(f"note: {n}" for n in m.notes)
+    return table
+
+
 def _sweep_table(rows, usable):
     from rich.table import Table
 
@@ -182,11 +237,12 @@ def _sweep_table(rows, usable):
     table = Table(title=f"sweep (GiB per GPU, limit {gib(usable)})", title_justify="left")
     for k in keys:
         table.add_column(k.rsplit(".", 1)[-1], overflow="fold")  # the section is in the --sweep flag
-    for col in ("peak", "phase", "util", "fits", "max mb"):
+    for col in ("peak", "phase", "util", "fits", "max mb", "step"):
         table.add_column(col, justify="right", overflow="fold")
     for row in rows:
         table.add_row(*(str(row["values"][k]) for k in keys), gib(row["peak_bytes"]), row["peak_phase"],
-                      f"{row['utilization']:.0%}", "yes" if row["fits"] else "[red]no[/red]", str(row["max_micro_batch"]))
+                      f"{row['utilization']:.0%}", "yes" if row["fits"] else "[red]no[/red]", str(row["max_micro_batch"]),
+                      seconds_text(row["step_seconds"]))
     return table
 
 

@@ -4,6 +4,7 @@
     plan = plan_profile(load_profile("profiles/kimi-k2_grpo_int4_8xb200.yaml"))
     plan.fits, plan.peak_bytes, plan.max_micro_batch, plan.advice
     plan.communication.terms, plan.layouts     # bytes one RL step sends per GPU; the layouts compared
+    plan.timing.seconds, plan.timing.phases    # predicted seconds of one RL step by phase; plan.nodes: 1 vs 2 nodes
 
 Imports no torch: every number comes from the ArchSpec and the formulas in docs/plan.md.
 ``measure_profile`` (the FakeTensorMode calibration) imports torch lazily.
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from orbitctl.errors import ProfileError, UserError
-from orbitctl.plan.advice import advise, compare_layouts, layout_notes, max_micro_batch
+from orbitctl.plan.advice import advise, compare_layouts, compare_nodes, layout_notes, max_micro_batch
 from orbitctl.plan.budget import evaluate, prepare
 from orbitctl.plan.comm import COMM_TERMS
 from orbitctl.plan.result import COMPONENTS, PHASES, Advice, MemoryPlan
@@ -94,6 +95,7 @@ def plan_profile(profile, *, gpu_memory_bytes: int | None = None, with_advice: b
         plan.advice = advise(profile, plan, arch, replan)
         plan.layouts = compare_layouts(profile, plan, arch, lambda change: replan(change, search=True))
         plan.notes += layout_notes(plan.layouts)
+        plan.nodes = compare_nodes(profile, plan, lambda change: replan(change))
     return plan
 
 
@@ -106,7 +108,9 @@ def plan_sweep(profile, sweeps: list[tuple[str, list[Any]]], *, gpu_memory_bytes
         plan = plan_profile(apply_changes(profile, change), gpu_memory_bytes=gpu_memory_bytes, with_advice=False)
         rows.append({"values": change, "peak_bytes": plan.peak_bytes, "peak_phase": plan.peak_phase,
                      "utilization": round(plan.utilization, 4), "fits": plan.fits,
-                     "max_micro_batch": plan.max_micro_batch, "phase_peak_bytes": plan.phase_peak_bytes})
+                     "max_micro_batch": plan.max_micro_batch, "phase_peak_bytes": plan.phase_peak_bytes,
+                     "step_seconds": plan.timing.seconds,
+                     "phase_seconds": {k: p.seconds for k, p in plan.timing.phases.items()}})
     return rows
 
 

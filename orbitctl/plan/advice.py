@@ -160,8 +160,9 @@ def _layout_changes(profile, arch) -> list[dict[str, Any]]:
 
 def compare_layouts(profile, plan: MemoryPlan, arch, replan: Callable[[dict[str, Any]], MemoryPlan | None]) -> list[dict]:
     """One row per base layout: its change (``--set`` values), peak, fit, largest micro-batch and the bytes
-    one RL step sends per GPU; ``best`` marks the layout that sends the least among those that run (largest
-    micro-batch > 0). Empty on one GPU, or when no other layout is a valid profile."""
+    one RL step sends per GPU and its predicted seconds (timing.py, at the profile's micro-batch);
+    ``best`` marks the layout that sends the least among those that run (largest micro-batch > 0),
+    ``fastest`` the one with the shortest predicted step. Empty on one GPU, or when no other layout is a valid profile."""
     if profile.world_size == 1:
         return []
     rows = []
@@ -174,12 +175,16 @@ def compare_layouts(profile, plan: MemoryPlan, arch, replan: Callable[[dict[str,
                      "dense_layout": other.details["dense_layout"], "change": change, "set": set_values(change),
                      "current": not change, "peak_bytes": other.peak_bytes, "fits": other.fits,
                      "max_micro_batch": other.max_micro_batch, "bytes": comm["by_kind"],
-                     "total_bytes": comm["total_bytes"], "link_seconds": comm["link_seconds"], "best": False})
+                     "total_bytes": comm["total_bytes"], "link_seconds": comm["link_seconds"],
+                     "step_seconds": other.timing.seconds, "rollout_seconds": other.timing.phases["rollout"].seconds,
+                     "update_seconds": other.timing.phases["policy_update"].seconds,
+                     "bound": {k: p.bound for k, p in other.timing.phases.items()}, "best": False, "fastest": False})
     if len(rows) < 2:
         return []
     runnable = [r for r in rows if r["max_micro_batch"] > 0]
     if runnable:
         min(runnable, key=lambda r: r["total_bytes"])["best"] = True
+        min(runnable, key=lambda r: r["step_seconds"])["fastest"] = True
     return rows
 
 
@@ -195,3 +200,23 @@ def layout_notes(rows: list[dict]) -> list[str]:
         where = f"fits with memory.micro_batch_size <= {best['max_micro_batch']}"
     return [f"layout {best['layout']} sends {bytes_text(best['total_bytes'])} per GPU per RL step instead of "
             f"{bytes_text(current['total_bytes'])} and {where}: --set " + " --set ".join(best["set"])]
+
+
+def compare_nodes(profile, plan: MemoryPlan, replan: Callable[[dict[str, Any]], MemoryPlan | None]) -> list[dict]:
+    """The profile's run on its own node(s) and on twice the nodes over the NIC (same global batch): predicted
+    seconds per RL step by phase, GPU-hours and tokens/s. Empty on one GPU or when the profile spans nodes."""
+    from orbitctl.plan.timing import nodes_change
+
+    change = nodes_change(profile)
+    other = replan(change) if change else None
+    if other is None:
+        return []
+    rows = []
+    for p, c in ((plan, {}), (other, change)):
+        t = p.timing.to_dict()
+        rows.append({"nodes": t["nodes"], "world": t["world"], "change": c, "set": set_values(c),
+                     "fits": p.fits, "seconds": t["seconds"], "gpu_hours": t["gpu_hours"],
+                     "phase_seconds": {k: v["seconds"] for k, v in t["phases"].items()},
+                     "bound": {k: v["bound"] for k, v in t["phases"].items()},
+                     "rollout_tokens_per_s": t["rollout_tokens_per_s"], "update_tokens_per_s": t["update_tokens_per_s"]})
+    return rows

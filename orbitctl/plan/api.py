@@ -15,6 +15,8 @@ class PlanRun:
     plan: Any = None
     sweep: list[dict] | None = None
     measurement: Any = None
+    time_measurement: Any = None
+    """orbitctl.plan.measure_time.TimeMeasurement (``--measure-time``)."""
     archs: list[dict] | None = None
     usable_bytes: int = 0
 
@@ -43,6 +45,8 @@ class PlanRun:
         doc.update(self.plan.to_dict())
         if self.measurement is not None:
             doc["measurement"] = self.measurement.to_dict()
+        if self.time_measurement is not None:
+            doc["time_measurement"] = self.time_measurement.to_dict()
         return doc
 
 
@@ -58,7 +62,8 @@ def parse_sweep(item: str) -> tuple[str, list[Any]]:
 
 
 def run_plan(path: str | None, overrides: list[str] | tuple[str, ...] = (), *, sweeps: list[str] | None = None,
-             measure: bool = False, list_archs: bool = False, gpu_memory_bytes: int | None = None) -> PlanRun:
+             measure: bool = False, list_archs: bool = False, gpu_memory_bytes: int | None = None,
+             measure_time: bool = False) -> PlanRun:
     """Load the profile at ``path`` (with --set overrides) and plan, sweep or measure it."""
     from orbitctl.plan import apply_changes, plan_profile, plan_sweep
 
@@ -66,7 +71,8 @@ def run_plan(path: str | None, overrides: list[str] | tuple[str, ...] = (), *, s
         from orbitctl.arch import builtin_arch, builtin_names
 
         extra = [name for name, given in (("PROFILE", path), ("--set", list(overrides)), ("--sweep", sweeps),
-                                          ("--measure", measure)) if given]
+                                          ("--measure", measure),
+                                          ("--measure-time", measure_time)) if given]
         if extra:
             raise UserError(f"--list-archs lists the built-in architectures and takes no {', '.join(extra)}",
                             fix="run orbitctl plan --list-archs on its own (--json is fine)")
@@ -74,9 +80,9 @@ def run_plan(path: str | None, overrides: list[str] | tuple[str, ...] = (), *, s
         return PlanRun(archs=[builtin_arch(n).summary() for n in builtin_names()])
     if not path:
         raise UserError("missing PROFILE", fix="give a profile YAML file, e.g. orbitctl plan profiles/tiny-cpu.yaml")
-    if sweeps and measure:
-        raise UserError("--measure calibrates one plan, not a sweep",
-                        fix="drop --measure, or plan one setting with --set KEY=VALUE --measure")
+    if sweeps and (measure or measure_time):
+        raise UserError("--measure and --measure-time calibrate one plan, not a sweep",
+                        fix="drop them, or plan one setting with --set KEY=VALUE --measure")
     from orbitctl.profile import load_profile
 
     profile = load_profile(path, list(overrides))
@@ -95,4 +101,8 @@ def run_plan(path: str | None, overrides: list[str] | tuple[str, ...] = (), *, s
 
         run.measurement = measure_profile(profile)
         calibrate(run.plan, run.measurement)
+    if measure_time:
+        from orbitctl.plan.measure_time import measure_time as time_one_step
+
+        run.time_measurement = time_one_step(profile)
     return run

@@ -5,7 +5,7 @@ Phases: ``policy_update`` (forward + backward + optimizer step of one micro-batc
 adapter gathered for a separate engine or a checkpoint). Components resident in every phase
 (context, communicators, base shard, routed experts, adapter states) appear in each. The
 placement of the base (expert parallelism, dense layout) is ``layout.py``'s; the bytes one RL
-step sends are ``comm.py``'s and ride along in the plan.
+step sends are ``comm.py``'s and the seconds it takes ``timing.py``'s; both ride along in the plan.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from orbitctl.plan.comm import (all_to_all_buffers, bytes_text, communication, c
 from orbitctl.plan.layout import Layout, gather_units, gather_window, host_base, layout_of, resident_base
 from orbitctl.plan.result import MemoryPlan
 from orbitctl.plan.states import model_states
+from orbitctl.plan.timing import step_time
 from orbitctl.plan.storage import BaseStorage, base_storage, quant_format
 from orbitctl.units import GiB
 
@@ -207,4 +208,6 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
                  "dense_layout": layout.dense, "routed_experts_per_gpu": layout.experts_per_rank,
                  "routed_expert_total_bytes": int(storage.expert_bytes)},
         communication=comm,
+        timing=step_time(profile, arch, storage, layout, comm,
+                         adapter_bytes=ad.trainable_params * (2 if profile.adapter.dtype == "bf16" else 4)),
     )

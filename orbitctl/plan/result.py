@@ -80,8 +80,12 @@ class MemoryPlan:
     details: dict[str, Any] = field(default_factory=dict)
     communication: Any = None
     """orbitctl.plan.comm.Communication: the bytes one RL step sends per GPU in this layout."""
+    timing: Any = None
+    """orbitctl.plan.timing.StepTime: predicted seconds of one RL step by phase in this layout."""
     layouts: list[dict] = field(default_factory=list)
     """The base layouts compared (orbitctl.plan.layouts.compare_layouts), empty for a dense model or one GPU."""
+    nodes: list[dict] = field(default_factory=list)
+    """The run on its node(s) and on twice the nodes (orbitctl.plan.advice.compare_nodes): predicted time."""
 
     @property
     def phase_peak_bytes(self) -> dict[str, int]:
@@ -146,5 +150,7 @@ class MemoryPlan:
             "notes": list(self.notes),
             "details": dict(self.details),
             "communication": self.communication.to_dict() if self.communication is not None else None,
+            "timing": self.timing.to_dict() if self.timing is not None else None,
             "layouts": [dict(row) for row in self.layouts],
+            "nodes": [dict(row) for row in self.nodes],
         }

@@ -86,8 +86,9 @@ def test_cli_is_thin(monkeypatch):
     result = runner.invoke(app, ["plan", "x.yaml", "--measure", "--json"])
     assert result.exit_code == 0, result.output
     assert calls == [("x.yaml", ["memory.seq_len=8"],
-                      {"sweeps": ["memory.micro_batch_size=1,2"], "measure": False, "list_archs": False}),
-                     ("x.yaml", [], {"sweeps": [], "measure": True, "list_archs": False})]
+                      {"sweeps": ["memory.micro_batch_size=1,2"], "measure": False, "list_archs": False,
+                       "measure_time": False}),
+                     ("x.yaml", [], {"sweeps": [], "measure": True, "list_archs": False, "measure_time": False})]
 
 
 def test_a_sweep_with_measure_is_refused(capsys):

@@ -1,0 +1,174 @@
+"""The time model (orbitctl/plan/timing.py): floors, scaling in tokens and batch, layouts and nodes."""
+
+from __future__ import annotations
+
+import pytest
+
+from orbitctl.plan import apply_changes, plan_profile
+from orbitctl.plan.timing import Efficiency, attention_flops, touched_experts
+from orbitctl.profile import load_profile
+from orbitctl.profile.gpus import resolve_gpu
+
+PROFILES = ["deepseek-v3_grpo_int4_8xh200", "kimi-k2_grpo_int4_8xb200", "kimi-k2_grpo_int4_8xh200",
+            "llama-3.1-70b_grpo_qlora-nf4_2x24g", "llama-3.1-8b_grpo_qlora-nf4_1x24g",
+            "qwen3-235b-a22b_grpo_int4_8xh100", "tiny-cpu", "tiny-moe-cpu"]
+
+
+def _profile(repo, name, **change):
+    profile = load_profile(str(repo / "profiles" / f"{name}.yaml"))
+    return apply_changes(profile, change) if change else profile
+
+
+def _timing(profile):
+    return plan_profile(profile, with_advice=False).timing
+
+
+def test_every_shipped_profile_is_listed(repo):
+    assert sorted(p.stem for p in (repo / "profiles").glob("*.yaml")) == sorted(PROFILES)
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_every_phase_is_at_least_its_physical_floor(repo, name):
+    profile = _profile(repo, name)
+    timing = _timing(profile)
+    spec = resolve_gpu(profile.hardware.gpu)
+    flops, hbm = spec.bf16_tflops * 1e12, spec.hbm_bandwidth_gbs * 1e9
+    link = spec.p2p_bandwidth_gbs * 1e9 / 2 or hbm
+    nic = Efficiency().nic_gbits_per_gpu * 1e9 / 8
+    assert timing.seconds > 0
+    for phase in timing.phases.values():
+        for part in (phase, *phase.parts.values()):
+            floor = max(part.flops / flops, part.hbm_bytes / hbm, part.intra_bytes / link + part.inter_bytes / nic)
+            assert part.floor_s == pytest.approx(floor)
+            assert part.seconds >= floor * (1 - 1e-12)
+            assert part.compute_s >= part.flops / flops and part.memory_s >= part.hbm_bytes / hbm
+
+
+def _decode(repo, name, **change):
+    return _timing(_profile(repo, name, **change)).phases["rollout"].parts["decode"]
+
+
+@pytest.mark.parametrize("name", ["kimi-k2_grpo_int4_8xh200", "llama-3.1-8b_grpo_qlora-nf4_1x24g"])
+def test_decode_time_is_linear_in_max_new_tokens(repo, name):
+    """Each decoded token reads the same weights; only the KV read grows with the context (seq_len stays)."""
+    times = [_decode(repo, name, **{"rollout.max_new_tokens": n, "memory.seq_len": 4096}).seconds
+             for n in (256, 512, 1024)]
+    for shorter, longer in zip(times, times[1:]):
+        assert 1.9 < longer / shorter <= 2.0 + 1e-9
+
+
+def test_decode_time_is_sublinear_in_batch_until_compute_bound(repo):
+    """Two rounds of decoding a batch each: doubling the batch costs less than double while HBM-bound, about double once
+    compute-bound."""
+    name = "llama-3.1-8b_grpo_qlora-nf4_1x24g"
+    rows = []
+    for batch in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048):
+        decode = _decode(repo, name, **{"rollout.batch_size": batch, "rl.prompts_per_step": batch,
+                                        "rl.group_size": 2, "memory.seq_len": 1024, "rollout.max_new_tokens": 512})
+        rows.append((batch, decode.seconds, decode.bound))
+    assert rows[0][2] == "HBM" and rows[-1][2] == "compute"
+    for (b1, t1, bound), (b2, t2, _) in zip(rows, rows[1:]):
+        assert t2 >= t1
+        if bound == "HBM":
+            assert t2 < 2 * t1
+    compute = [(t1, t2) for (_, t1, b1), (_, t2, b2) in zip(rows, rows[1:]) if b1 == b2 == "compute"]
+    assert compute and all(t2 / t1 == pytest.approx(2, rel=0.1) for t1, t2 in compute)
+
+
+def test_touched_experts_and_attention_terms():
+    assert touched_experts(384, 8, 1) == pytest.approx(8)
+    assert touched_experts(384, 8, 10_000) == pytest.approx(384)
+    assert touched_experts(0, 0, 5) == 0
+    assert touched_experts(8, 2, 3) == pytest.approx(8 * (1 - 0.75 ** 3))
+
+
+def test_attention_flops_grow_with_context(repo):
+    from orbitctl.plan import _arch
+
+    arch = _arch(_profile(repo, "kimi-k2_grpo_int4_8xh200"))
+    assert attention_flops(arch, 10, 2000) == pytest.approx(2 * attention_flops(arch, 10, 1000))
+    assert attention_flops(arch, 10, 1000) == pytest.approx(
+        2 * arch.num_layers * arch.num_heads * (arch.qk_nope_head_dim + arch.qk_rope_head_dim + arch.v_head_dim)
+        * 1000 * 10)
+
+
+def test_efficiency_factors_are_overridable(repo):
+    from orbitctl.plan import _arch
+    from orbitctl.plan.budget import prepare
+    from orbitctl.plan.comm import communication
+    from orbitctl.plan.layout import layout_of
+    from orbitctl.plan.timing import step_time
+
+    profile = _profile(repo, "kimi-k2_grpo_int4_8xh200")
+    inp = prepare(profile, _arch(profile))
+    layout = layout_of(profile, inp.arch.num_experts)
+    comm = communication(profile, inp.arch, inp.storage, layout, inp.adapters)
+    base = step_time(profile, inp.arch, inp.storage, layout, comm)
+    half = step_time(profile, inp.arch, inp.storage, layout, comm, eff=Efficiency(compute=0.25, hbm=0.4, link=0.35))
+    for name in ("rollout", "policy_update"):
+        assert half.phases[name].seconds == pytest.approx(2 * base.phases[name].seconds)
+
+
+def test_kimi_rollout_under_zero3_gathers_is_slower_than_under_expert_parallelism(repo):
+    plan = plan_profile(_profile(repo, "kimi-k2_grpo_int4_8xh200"))
+    rows = {row["layout"]: row for row in plan.layouts}
+    ep, zero3 = rows["EP 8, dense replicated"], rows["EP 1, dense sharded"]
+    assert zero3["rollout_seconds"] > 5 * ep["rollout_seconds"]
+    assert zero3["bound"]["rollout"] == "interconnect" and ep["bound"]["rollout"] == "HBM"
+    assert ep["fastest"] and sum(r["fastest"] for r in plan.layouts) == 1
+
+
+def test_kimi_on_two_nodes_halves_the_step_at_equal_gpu_hours(repo):
+    """EP stays inside a node and the dense part is replicated: only the adapter reduction crosses nodes."""
+    plan = plan_profile(_profile(repo, "kimi-k2_grpo_int4_8xh200"))
+    one, two = plan.nodes
+    assert (one["nodes"], two["nodes"], two["world"]) == (1, 2, 16)
+    assert two["seconds"] == pytest.approx(one["seconds"] / 2, rel=0.05)
+    assert two["gpu_hours"] == pytest.approx(one["gpu_hours"], rel=0.05) and two["gpu_hours"] >= one["gpu_hours"]
+
+
+def test_zero3_layout_across_nodes_pays_the_nic(repo):
+    profile = _profile(repo, "kimi-k2_grpo_int4_8xh200", **{"memory.expert_parallel": 1, "memory.zero_stage": 3,
+                                                                  "memory.dense_layout": "sharded"})
+    one = _timing(profile)
+    two = _timing(apply_changes(profile, {"hardware.nodes": 2}))
+    assert two.phases["rollout"].inter_bytes > 0 and two.gpu_hours > 2 * one.gpu_hours
+
+
+def test_json_has_the_timing(repo):
+    doc = plan_profile(_profile(repo, "tiny-moe-cpu")).to_dict()
+    timing = doc["timing"]
+    assert set(timing["phases"]) == {"rollout", "policy_update", "adapter_sync"}
+    assert timing["phases"]["adapter_sync"]["seconds"] == 0  # the shared engine: nothing to push
+    assert timing["rollout_tokens_per_s"] > 0 and timing["update_tokens_per_s"] > 0 and timing["gpu_hours"] > 0
+    assert {"step_seconds", "rollout_seconds", "fastest"} <= set(doc["layouts"][0])
+
+
+def test_measure_time_refuses_more_than_one_rank_before_importing_torch(repo):
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom orbitctl.cli.app import main\n"
+              f"code = main(['plan', r'{repo / 'profiles' / 'tiny-moe-cpu.yaml'}', '--measure-time'])\n"
+              "print(code, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=repo, timeout=120)
+    assert proc.stdout.split()[-2:] == ["2", "False"], proc.stdout + proc.stderr
+
+
+def test_measure_time_times_one_real_step_of_tiny_cpu(repo):
+    from orbitctl.plan.measure_time import measure_time
+
+    m = measure_time(_profile(repo, "tiny-cpu"))
+    rows = {row["phase"]: row for row in m.rows}
+    assert set(rows) == {"rollout", "policy_update"}
+    assert all(row["measured_s"] > 0 and row["predicted_s"] > 0 for row in rows.values())
+    assert m.flops_per_s > 0 and m.bytes_per_s > 0
+    assert set(m.to_dict()) == {"flops_per_s", "bytes_per_s", "rows", "predicted", "notes"}
+
+
+def test_sweep_rows_carry_the_predicted_time(repo):
+    from orbitctl.plan import plan_sweep
+
+    rows = plan_sweep(_profile(repo, "kimi-k2_grpo_int4_8xh200"), [("rollout.batch_size", [8, 32])])
+    assert rows[0]["phase_seconds"]["rollout"] > rows[1]["phase_seconds"]["rollout"]  # fewer weight reads per token
+    assert all(row["step_seconds"] == pytest.approx(sum(row["phase_seconds"].values())) for row in rows)
