@@ -78,13 +78,20 @@ def atomic_dir(final: str | Path, fill: Callable[[Path], Any], *, replace: bool 
         if final.exists() and not replace:
             shutil.rmtree(tmp)
             return result
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        promote_dir(tmp, final)
         return result
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def promote_dir(tmp: str | Path, final: str | Path) -> None:
+    """Rename the completed directory ``tmp`` onto ``final``, replacing an older ``final`` (for directories
+    several processes fill together, such as a checkpoint every rank writes into)."""
+    final = Path(final)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
 
 
 def fsync_tree(path: str | Path) -> None:

@@ -8,14 +8,13 @@ not permitted; ``errors`` on a GPU says which. The format is documented in docs/
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orbitctl.errors import InputFileError
+from orbitctl.rundir import atomic_write_json
 
 FORMAT = "orbitctl.doctor.snapshot/1"
 
@@ -224,15 +223,4 @@ def load_snapshot(path: str | Path) -> Snapshot:
 
 def save_snapshot(snapshot: Snapshot, path: str | Path) -> Path:
     """Write the snapshot atomically (temp file, then rename): never a half-written file."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(snapshot.model_dump(mode="json"), indent=2) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    return atomic_write_json(path, snapshot.model_dump(mode="json"), fsync=False)

@@ -30,7 +30,6 @@ versions (``rng-rank{R}.pt``) still resume; that file is read with ``weights_onl
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import random
 import shutil
@@ -38,7 +37,7 @@ import zipfile
 from pathlib import Path
 
 from orbitctl.errors import InputFileError, UserError
-from orbitctl.rundir import RunDir, atomic_write_json, fsync_tree
+from orbitctl.rundir import RunDir, atomic_write_json, fsync_tree, promote_dir
 from orbitctl.units import short_dtype
 
 DEEPSPEED_SAFE_GLOBALS = (
@@ -196,9 +195,7 @@ def save_checkpoint(run_dir: Path, step: int, engine, policy, generator, trainer
     if rank == 0:
         fsync_tree(tmp)
         (tmp / RunDir.COMPLETE).write_text(f"{step}\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        promote_dir(tmp, final)
         for _, old in run.complete_checkpoints()[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
