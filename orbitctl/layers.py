@@ -12,7 +12,7 @@ Torch-free: the test and the docs read it without importing anything else.
 from __future__ import annotations
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "units"),
+    ("errors", "units", "procmem"),
     ("rundir",),
     ("arch",),
     ("profile",),

@@ -16,6 +16,7 @@ import torch
 
 from orbitctl.distances import entropy
 from orbitctl.errors import UserError
+from orbitctl.procmem import return_freed_heap
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,25 +180,8 @@ def _by_chunks(n: int, step: int, names: list[str], rows) -> dict[str, torch.Ten
         for m in names:
             out[m][start:start + step].copy_(part[m])
         del part
-        _return_freed_heap()
+        return_freed_heap()
     return out
-
-
-def _return_freed_heap() -> None:
-    """Hand the chunk's freed temporaries back to the OS (glibc keeps heap holes otherwise; no-op elsewhere)."""
-    global _MALLOC_TRIM
-    if _MALLOC_TRIM is None:
-        try:
-            import ctypes
-
-            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _MALLOC_TRIM = False
-    if _MALLOC_TRIM:
-        _MALLOC_TRIM(0)
-
-
-_MALLOC_TRIM = None
 
 
 def _check_pair(train_logits: torch.Tensor, infer_logits: torch.Tensor) -> tuple[int, int]:

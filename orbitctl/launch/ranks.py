@@ -166,6 +166,11 @@ def launch_local(profile, options: dict, on_event, *, numa: bool) -> dict:
         rank, code, message = _root_failure(error)
         cls = UserError if code == 2 else RunFailed
         raise cls(f"rank {rank} of {profile.hardware.gpus_per_node}: {message}")
+    return _rank0_result(where)
+
+
+def _rank0_result(where: LaunchDir) -> dict:
+    """The result document rank 0 wrote when the run ended."""
     if not where.result.exists():
         raise RunFailed(f"{where.result}: rank 0 ended without a result", fix="rerun; the run resumes from its newest checkpoint")
     return json.loads(where.result.read_text())
@@ -192,4 +197,4 @@ def launch_nodes(profile, options: dict, command: list[str]) -> dict:
     code = subprocess.call(command, env=env)
     if code != 0:
         raise RunFailed(f"the DeepSpeed launcher exited with code {code}", fix="the failing rank's error is above")
-    return json.loads(where.result.read_text())
+    return _rank0_result(where)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from orbitctl.procmem import reset_high_water, status_bytes
 from orbitctl.units import MiB
 
 
@@ -115,13 +116,6 @@ def checkpoint_bytes(path: str | Path) -> tuple[int, int]:
     return total, experts
 
 
-def _status_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def _load_and_measure(rank: int, path: str, world: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -136,10 +130,10 @@ def _load_and_measure(rank: int, path: str, world: int, store: str, out: str) ->
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         experts = ExpertGroup.of_world(world)
-    Path("/proc/self/clear_refs").write_text("5")
-    before = _status_bytes("VmRSS")
+    reset_high_water()
+    before = status_bytes("VmRSS")
     model = load_frozen_base(path, compute_dtype=torch.bfloat16, experts=experts)
-    rise = _status_bytes("VmHWM") - before
+    rise = status_bytes("VmHWM") - before
     held = model_memory_bytes(model)["total"]
     Path(out, f"rank{rank}.json").write_text(json.dumps({"rss_rise": rise, "model_bytes": held}))
     if world > 1:

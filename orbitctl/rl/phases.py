@@ -17,8 +17,7 @@ that names the phase, given once each time the ratio leaves the band.
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
-
+from orbitctl.procmem import reset_high_water, return_freed_heap, status_bytes
 from orbitctl.units import MiB, gib
 
 PHASES = ("rollout", "policy_update")
@@ -27,36 +26,6 @@ RATIO_BAND = (0.8, 1.2)
 SLACK_BYTES = 256 * MiB
 """A difference smaller than this is not warned about whatever the ratio: on a tiny model the process's
 own allocations (allocator arenas, kernels, DeepSpeed's buffers) outweigh everything the plan models."""
-
-
-def _status_kib(field: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def _reset_high_water() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def _return_freed_memory() -> None:
-    """Give the heap's freed pages back to the kernel (glibc's malloc_trim), so a phase's resident set starts
-    from what is in use rather than from what an earlier phase freed and the allocator kept."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _nvml_used(index: int) -> int | None:
@@ -80,8 +49,8 @@ class PhaseMemory:
         self.device = device
         self.cuda = device.startswith("cuda")
         if not self.cuda:
-            _return_freed_memory()  # the baseline is what is in use, like every phase's start
-        self.baseline = 0 if self.cuda else (_status_kib("VmRSS") or 0)
+            return_freed_heap()  # the baseline is what is in use, like every phase's start
+        self.baseline = 0 if self.cuda else (status_bytes("VmRSS") or 0)
         self.measured: dict[str, int] = {}
         self.device_used: dict[str, int] = {}
         self.kind = "cuda_max_allocated" if self.cuda else "rss_rise"
@@ -101,8 +70,10 @@ class PhaseMemory:
 
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
-        elif _return_freed_memory() or not _reset_high_water():
-            self.kind = "rss_rise_lifetime"  # no resettable high-water mark: the process's peak so far
+        else:
+            return_freed_heap()
+            if not reset_high_water():
+                self.kind = "rss_rise_lifetime"  # no resettable high-water mark: the process's peak so far
         try:
             yield
         finally:
@@ -112,7 +83,7 @@ class PhaseMemory:
                 if used is not None:
                     self.device_used[name] = max(self.device_used.get(name, 0), used)
             else:
-                peak = max(0, (_status_kib("VmHWM") or _status_kib("VmRSS") or 0) - self.baseline)
+                peak = max(0, (status_bytes("VmHWM") or status_bytes("VmRSS") or 0) - self.baseline)
             self.measured[name] = max(self.measured.get(name, 0), peak)
 
     def report(self) -> dict:
