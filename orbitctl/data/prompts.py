@@ -110,10 +110,15 @@ class PromptStream:
 
     def next_batch(self, prompts_per_step: int) -> list[PromptItem]:
         """This rank's share of the next step's prompts (every rank advances the global cursor alike)."""
+        return [item for _, item in self.next_step(prompts_per_step)]
+
+    def next_step(self, prompts_per_step: int) -> list[tuple[int, PromptItem]]:
+        """This rank's share of the next step's prompts, each with its position in the run's stream
+        (the same prompt has the same position however many ranks share the step)."""
         n = len(self.items)
         picked = []
         for k in range(self.cursor, self.cursor + prompts_per_step):
             epoch, index = divmod(k, n)
-            picked.append(self.items[self._order(epoch)[index]] if n else None)
+            picked.append((k, self.items[self._order(epoch)[index]] if n else None))
         self.cursor += prompts_per_step
         return picked[self.rank::self.world_size]

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from orbitctl.errors import RunFailed, UserError
+from orbitctl.profile import dump_profile
 from orbitctl.rundir import RunDir, atomic_write_json, atomic_write_text, jsonl_records
 
 WORKER_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "OMP_NUM_THREADS": None}
@@ -50,12 +51,10 @@ class LaunchDir:
     options = property(lambda self: self.root / OPTIONS)
 
     def prepare(self, profile, options: dict) -> None:
-        """A fresh directory holding the profile (every value resolved) and the run's options."""
-        import yaml
-
+        """A fresh directory holding the profile (the keys given, loadable as it was) and the run's options."""
         shutil.rmtree(self.root, ignore_errors=True)
         self.root.mkdir(parents=True)
-        atomic_write_text(self.profile, yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False), fsync=False)
+        atomic_write_text(self.profile, dump_profile(profile), fsync=False)
         atomic_write_json(self.options, options, fsync=False)
 
 

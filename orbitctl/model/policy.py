@@ -101,7 +101,7 @@ class Policy:
 
     def sample(self, prompt_ids, prompt_mask, *, max_new_tokens: int, temperature: float, top_p: float,
                generator, keep_dist: bool = False, keep_logits: bool = False,
-               keep_hidden: bool = False, forced=None) -> Samples:
+               keep_hidden: bool = False, forced=None, draws=None) -> Samples:
         """Sample one completion per row; temperature 0 is greedy.
 
         ``keep_logits`` / ``keep_hidden`` record, per generated token, the scaled logits and the
@@ -109,6 +109,8 @@ class Policy:
         ``forced`` = ``(completion_ids, completion_mask)`` feeds those tokens instead of drawing
         them (teacher forcing through the same KV-cache decode): the infer path's distributions
         for tokens another sampler chose, which is how the kernel floor is measured.
+        ``draws`` (:class:`~orbitctl.model.draws.KeyedDraws`, one key per row) replaces ``generator`` when
+        sampling: each row's tokens then depend on its key, not on the batch it is sampled in.
         """
         import torch
 
@@ -137,6 +139,8 @@ class Policy:
                 logdist = torch.log_softmax(scaled, dim=-1)
                 if forced is not None:
                     token = forced_ids[:, step]
+                elif temperature > 0 and draws is not None:
+                    token = draws.sample(torch.softmax(_top_p_filter(scaled, top_p), dim=-1), step)
                 elif temperature > 0:
                     probs = torch.softmax(_top_p_filter(scaled, top_p), dim=-1)
                     # drawn on the CPU generator wherever the model runs: one seed, one sequence of draws

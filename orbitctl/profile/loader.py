@@ -24,6 +24,13 @@ def load_profile(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) 
     return validate_profile(data, str(path), problems)
 
 
+def dump_profile(profile: Profile) -> str:
+    """The profile as YAML that loads back to the same profile: the keys that were given, and no defaults,
+    so the rules that ask whether a key was given (``model.dtype`` beside ``quant.compute_dtype``) see the
+    same profile in a launched rank or a child process as in the command that wrote it."""
+    return yaml.safe_dump(profile.model_dump(mode="json", exclude_unset=True), sort_keys=False)
+
+
 def read_profile_yaml(path: str | Path) -> dict[str, Any]:
     file = Path(path)
     if not file.exists():

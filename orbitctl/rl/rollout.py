@@ -55,34 +55,45 @@ def _pad_left(tensors, value):
 
 
 def sample_groups(policy, items: list[PromptItem], *, group_size: int, batch_size: int, max_new_tokens: int,
-                  temperature: float, top_p: float, generator, keep_dist: bool):
-    """Sample ``group_size`` completions for every item in chunks of ``batch_size`` sequences."""
+                  temperature: float, top_p: float, generator, keep_dist: bool, keys=None):
+    """Sample ``group_size`` completions for every item in chunks of ``batch_size`` sequences.
+
+    ``keys`` = ``(seed, positions)``, one position per item: completion ``g`` of the item at position
+    ``p`` draws its tokens from key ``p * group_size + g`` (:mod:`orbitctl.model.draws`) instead of
+    ``generator``, so the draws do not depend on how items are split over ranks and chunks.
+    """
+    from orbitctl.model.draws import KeyedDraws
+
     expanded = [it for it in items for _ in range(group_size)]
+    row_keys = [p * group_size + g for p in keys[1] for g in range(group_size)] if keys is not None else None
     parts = []
-    for chunk in lockstep_chunks(policy, expanded, batch_size):
+    for start, chunk in lockstep_chunks(policy, expanded, batch_size):
         ids, mask = policy.encode_prompts([it.prompt for it in chunk]) if chunk else policy.filler()
+        draws = KeyedDraws(keys[0], tuple(row_keys[start:start + len(chunk)])) if chunk and row_keys else None
         samples = policy.sample(ids, mask, max_new_tokens=max_new_tokens, temperature=temperature,
-                                top_p=top_p, generator=generator, keep_dist=keep_dist)
+                                top_p=top_p, generator=generator, keep_dist=keep_dist, draws=draws)
         if chunk:
             parts.append(samples)
     return expanded, parts
 
 
 def lockstep_chunks(policy, items: list, batch_size: int):
-    """``items`` in chunks of ``batch_size``, then empty chunks until every rank has had as many: under
-    expert parallelism each rank must call the model as often as the others (an empty chunk runs a filler)."""
-    chunks = [items[start:start + batch_size] for start in range(0, len(items), batch_size)]
-    return chunks + [[] for _ in range(policy.lockstep.rounds(len(chunks)) - len(chunks))]
+    """``(start, chunk)`` for ``items`` in chunks of ``batch_size``, then empty chunks until every rank has had
+    as many: under expert parallelism each rank must call the model as often as the others (an empty chunk
+    runs a filler)."""
+    chunks = [(start, items[start:start + batch_size]) for start in range(0, len(items), batch_size)]
+    return chunks + [(len(items), []) for _ in range(policy.lockstep.rounds(len(chunks)) - len(chunks))]
 
 
 def collect(policy, items, reward_fn, *, group_size: int, batch_size: int, max_new_tokens: int,
-            temperature: float, top_p: float, generator, keep_dist: bool) -> RolloutBatch:
+            temperature: float, top_p: float, generator, keep_dist: bool, keys=None) -> RolloutBatch:
+    """One step's experience for ``items``; ``keys`` as in :func:`sample_groups`."""
     import torch
 
     start = time.perf_counter()
     expanded, parts = sample_groups(policy, items, group_size=group_size, batch_size=batch_size,
                                     max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                    generator=generator, keep_dist=keep_dist)
+                                    generator=generator, keep_dist=keep_dist, keys=keys)
     pad = policy.pad_id
     completion_ids = _pad_right([p.completion_ids for p in parts], pad)
     completion_mask = _pad_right([p.completion_mask for p in parts], 0)
@@ -103,7 +114,7 @@ def evaluate(policy, items: list[PromptItem], reward_fn, *, batch_size: int, max
     import torch
 
     correct, total, reward_sum = 0.0, 0, 0.0
-    for chunk in lockstep_chunks(policy, items, batch_size):
+    for _, chunk in lockstep_chunks(policy, items, batch_size):
         ids, mask = policy.encode_prompts([it.prompt for it in chunk]) if chunk else policy.filler()
         out = policy.sample(ids, mask, max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0,
                             generator=generator)

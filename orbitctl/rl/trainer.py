@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from orbitctl.errors import RunFailed, UserError
+from orbitctl.profile import dump_profile
 from orbitctl.rundir import RunDir, atomic_dir, atomic_write_json, atomic_write_text
 
 EventFn = Callable[[str, dict], None]
@@ -61,9 +62,7 @@ def _prepare_run_dir(run: RunDir, profile, fresh: bool, rank: int) -> None:
         if fresh and run.root.exists():
             run.clear()
         run.root.mkdir(parents=True, exist_ok=True)
-        import yaml
-
-        atomic_write_text(run.profile, yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False), fsync=False)
+        atomic_write_text(run.profile, dump_profile(profile), fsync=False)
         run.remove_partial()
     dist.barrier()
 
@@ -174,11 +173,13 @@ def run_loop(profile, fresh, emit, rank, world, torch) -> TrainResult:
     dist_bytes = profile.rollout_batch_size * max_new * int(policy.model.config.vocab_size) * 4
     keep_dist = rl.align_loss.kind == "kl" and rl.align_loss.weight > 0 and dist_bytes <= FULL_DIST_BUDGET_BYTES
     while step < rl.steps:
-        items = stream.next_batch(rl.prompts_per_step)
+        positions, items = zip(*stream.next_step(rl.prompts_per_step))
         with meter.phase("rollout"):
-            batch = collect(policy, items, reward_fn, group_size=rl.group_size, batch_size=profile.rollout_batch_size,
-                            max_new_tokens=max_new, temperature=profile.rollout.temperature,
-                            top_p=profile.rollout.top_p, generator=generator, keep_dist=keep_dist)
+            # draws keyed by each sequence's place in the run: the same tokens on 1 rank or N
+            batch = collect(policy, list(items), reward_fn, group_size=rl.group_size,
+                            batch_size=profile.rollout_batch_size, max_new_tokens=max_new,
+                            temperature=profile.rollout.temperature, top_p=profile.rollout.top_p,
+                            generator=generator, keep_dist=keep_dist, keys=(profile.run.seed, positions))
         advantages = group_advantages(batch.rewards, rl.group_size, rl.std_normalize) if rl.algorithm == "grpo" \
             else _ppo_advantages(batch.rewards, rl.group_size)
         rollout_stats = _rollout_stats(batch)
