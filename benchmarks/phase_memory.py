@@ -2,6 +2,7 @@
 
     python benchmarks/phase_memory.py                     # ~1 GB MoE, 1 CPU rank, 2 train steps
     python benchmarks/phase_memory.py --gb 1.2 --ranks 2  # 2 CPU ranks, expert parallelism 2
+    python benchmarks/phase_memory.py --gb 1.5            # 4 MoE layers, 1.5 GB (--steps N: more steps)
 
 The checkpoint is DeepSeek-V3-shaped (orbitctl.model.synthetic: INT4 routed experts, bf16 dense
 part, random weights) with the demo's character tokenizer; the profile is profiles/tiny-moe-cpu.yaml
@@ -90,6 +91,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.1, help="checkpoint size, GB")
     parser.add_argument("--ranks", type=int, default=1, help="CPU ranks (expert parallel over all of them)")
+    parser.add_argument("--steps", type=int, default=2, help="train steps")
     parser.add_argument("--work", default="/tmp/orbitctl-phase-memory")
     args = parser.parse_args()
     work = Path(args.work)
@@ -106,7 +108,7 @@ def main() -> None:
         path, total, routed = write_slice(out, hidden=2048, expert_width=1024, experts=experts, moe_layers=layers)
     rows = [("checkpoint", f"{total / 1e9:.2f} GB, routed experts {routed / total:.0%}", "")]
     profile = profile_file(work, slice_sets(path, work / "run", "cpu", args.ranks, 64, 8))
-    result, seconds = train(profile, 2)
+    result, seconds = train(profile, args.steps)
     rows.append(("train", f"{result['steps']} steps on {args.ranks} CPU rank(s) in {seconds:.0f} s", ""))
     print_rows(rows + memory_rows("memory", result["last_metrics"]))
 

@@ -30,8 +30,12 @@ def plan(
     measure: bool = typer.Option(
         False, "--measure", help="Calibrate activations and logits with one fake-tensor step of a 2-layer copy (imports torch)."),
     measure_time: bool = typer.Option(
-        False, "--measure-time", help="Time one real RL step on this CPU (one rank) against the predicted seconds "
-                                      "per phase (imports torch)."),
+        False, "--measure-time", help="Time real RL steps on this CPU (one rank, one thread) against the predicted "
+                                      "seconds per phase at this machine's measured rates (imports torch)."),
+    compare: Optional[str] = typer.Option(
+        None, "--compare", metavar="AXES", help="Rank the run in other layouts by predicted step time at equal batch: "
+                                               "all, or a comma list of layout (ZeRO-3 gathers vs EP), engine "
+                                               "(shared vs separate), nodes (1 vs 2)."),
     list_archs: bool = typer.Option(False, "--list-archs", help="List the built-in architectures and exit."),
 ) -> None:
     """Per-GPU memory by component and phase, the verdict, the largest micro-batch and advice.
@@ -49,11 +53,13 @@ def plan(
         orbitctl plan profiles/tiny-cpu.yaml --measure
 
         orbitctl plan profiles/tiny-moe-cpu.yaml --set hardware.gpus_per_node=1 --set memory.expert_parallel=1 --measure-time
+
+        orbitctl plan profiles/kimi-k2_grpo_int4_8xh200.yaml --compare all --set hardware.price_per_gpu_hour=3.5
     """
     from orbitctl.plan import api
 
     result = api.run_plan(profile, overrides(set_), sweeps=list(sweep or []), measure=measure, list_archs=list_archs,
-                          measure_time=measure_time)
+                          measure_time=measure_time, compare=compare)
     if json_out:
         output.emit_json(result.to_dict())
     elif result.archs is not None:
@@ -102,6 +108,7 @@ def _render(result) -> None:
         _line(_comm_line(plan.communication))
     if plan.timing is not None:
         output.show(_time_table(plan.timing))
+        _line(_cost_line(plan.timing))
     if plan.nodes:
         output.show(_nodes_table(plan.nodes))
     if plan.layouts:
@@ -119,6 +126,10 @@ def _render(result) -> None:
         output.show(_measure_table(result.measurement))
     if result.time_measurement is not None:
         output.show(_measure_time_table(result.time_measurement))
+    if getattr(result, "comparison", None) is not None:
+        output.show(_compare_table(result.comparison))
+        for note in result.comparison["notes"]:
+            _line(f"note: {note}")
 
 
 def seconds_text(s: float | None) -> str:
@@ -179,19 +190,61 @@ def _layouts_table(rows):
 
 
 def _time_table(timing):
+    from rich import box
+
     from orbitctl.plan.timing import TIME_PHASES
 
     eff = timing.efficiency
     table = output.table(f"one RL step, predicted seconds per GPU: {seconds_text(timing.seconds)}, "
                          f"{timing.gpu_hours:.3g} GPU-hours on {timing.world} GPU(s)",
-                         ("phase", "compute", "HBM", "comm", "time", "bound", "tokens/s", "floor"), no_wrap=True)
+                         ("phase", "compute", "HBM", "comm", "overhead", "time", "bound", "tok/s"), no_wrap=True)
+    table.box, table.pad_edge, table.padding = box.SIMPLE_HEAD, False, (0, 0, 0, 1)
     for name in TIME_PHASES:
         p = timing.phases[name]
         table.add_row(name, seconds_text(p.compute_s), seconds_text(p.memory_s), seconds_text(p.comm_s),
-                      seconds_text(p.seconds), p.bound, f"{p.tokens_per_s:,.0f}" if p.tokens else "-",
-                      seconds_text(p.floor_s))
-    table.caption = (f"time = max(compute, HBM) + comm; catalog peaks x {eff.compute:g} compute, {eff.hbm:g} HBM, "
-                     f"{eff.link:g} links\n(docs/plan.md, Time per RL step); floor: the same at the bare peaks")
+                      seconds_text(p.overhead_s), seconds_text(p.seconds), p.bound,
+                      f"{p.tokens_per_s:,.0f}" if p.tokens else "-")
+    rule = "compute + HBM + overhead + comm (CPU: one op after another)" if timing.phases["rollout"].synchronous else \
+        "max(compute, HBM, overhead) + comm"
+    table.caption = (f"time = {rule}; catalog peaks x {eff.compute:g} compute, {eff.hbm:g} HBM, "
+                     f"{eff.link:g} links;\noverhead = eager ops x launch time (docs/plan.md, Time per RL step); "
+                     f"each phase's floor (the counts at the bare peaks): --json")
+    return table
+
+
+def _cost_line(timing) -> str:
+    from orbitctl.plan.timing import cost_text
+
+    text = (f"GPU-hours: {timing.gpu_hours:.3g} per step, {timing.run_gpu_hours:,.4g} per run of {timing.steps} RL "
+            f"step(s) ({seconds_text(timing.seconds * timing.steps)})")
+    if timing.price_per_gpu_hour is None:
+        return text + "; no price (set hardware.price_per_gpu_hour, USD)"
+    return (text + f"; at ${timing.price_per_gpu_hour:g}/GPU-hour: {cost_text(timing.cost_per_step)} per step, "
+            f"{cost_text(timing.cost_per_run)} per run")
+
+
+def _compare_table(doc):
+    from rich import box
+
+    from orbitctl.plan.timing import cost_text
+
+    table = output.table("--compare: predicted seconds per RL step at equal batch, fastest first",
+                         ("option", "rollout", "update", "step", "x own", "GPU-h", "cost", "fits"), left=("option",),
+                         no_wrap=True)
+    table.box, table.pad_edge, table.padding = box.SIMPLE_HEAD, False, (0, 0, 0, 1)
+    axis = None
+    for row in doc["rows"]:
+        if row["axis"] != axis:
+            axis = row["axis"]
+            table.add_row(f"[bold]{axis}[/bold]", *[""] * 7)
+        ph, ratio = row["phase_seconds"], row["vs_current"]
+        cells = ["  " + row["option"] + ("*" if row["current"] else ""), seconds_text(ph["rollout"]),
+                 seconds_text(ph["policy_update"] + ph["adapter_sync"]), seconds_text(row["seconds"]),
+                 "-" if ratio is None else f"{ratio:.2f}", f"{row['gpu_hours']:.3g}", cost_text(row["cost_per_step"]),
+                 "yes" if row["fits"] else "[red]no[/red]"]
+        table.add_row(*(f"[bold green]{c}[/bold green]" if row["rank"] == 1 else c for c in cells))
+    table.caption = ("*: the profile's own; update includes the adapter sync; x own: step / the profile's step;\n"
+                     "the --set values of each row: --json (comparison.rows[].set)")
     return table
 
 
@@ -237,12 +290,18 @@ def _sweep_table(rows, usable):
     table = Table(title=f"sweep (GiB per GPU, limit {gib(usable)})", title_justify="left")
     for k in keys:
         table.add_column(k.rsplit(".", 1)[-1], overflow="fold")  # the section is in the --sweep flag
-    for col in ("peak", "phase", "util", "fits", "max mb", "step"):
+    priced = any(row.get("cost_per_step") is not None for row in rows)
+    for col in ("peak", "phase", "util", "fits", "max mb", "step", "GPU-h") + (("cost",) if priced else ()):
         table.add_column(col, justify="right", overflow="fold")
     for row in rows:
+        cost = []
+        if priced:
+            from orbitctl.plan.timing import cost_text
+
+            cost = [cost_text(row.get("cost_per_step"))]
         table.add_row(*(str(row["values"][k]) for k in keys), gib(row["peak_bytes"]), row["peak_phase"],
                       f"{row['utilization']:.0%}", "yes" if row["fits"] else "[red]no[/red]", str(row["max_micro_batch"]),
-                      seconds_text(row["step_seconds"]))
+                      seconds_text(row["step_seconds"]), f"{row['gpu_hours']:.3g}", *cost)
     return table
 
 

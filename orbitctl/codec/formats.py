@@ -96,6 +96,29 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, in_features: int,
     return (w * scale.to(torch.float32).unsqueeze(-1)).reshape(codes.shape).to(dtype)
 
 
+def dequantize_int4_into(packed: torch.Tensor, scale: torch.Tensor, codes: torch.Tensor, values: torch.Tensor,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`dequantize_int4` written into caller-owned buffers, bit for bit the same result, allocating nothing
+    of the weight's size: ``codes`` int32 and ``values`` float32 scratch of the weight's shape [out, in] (in =
+    8 x packed words), ``out`` the result in its dtype (None: ``values`` itself is the float32 result). Every
+    step is an in-place op or an ``out=`` op of the same dtype, so no temporary is built on the way (a mixed-dtype
+    op on the CPU would cast through a full-size temporary); the only allocation is the float32 copy of the
+    scales (1/8 of the int32 codes)."""
+    words = packed.shape[-1]
+    groups = scale.shape[-1]
+    in_features = codes.shape[-1]
+    if in_features != 8 * words:
+        raise ValueError(f"int4 workspace of {in_features} columns for {words} packed words")
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    torch.bitwise_right_shift(packed.unsqueeze(-1), shifts, out=codes.view(*packed.shape, 8))
+    codes.bitwise_and_(0xF).sub_(8)
+    values.copy_(codes)
+    values.view(*values.shape[:-1], groups, in_features // groups).mul_(scale.to(torch.float32).unsqueeze(-1))
+    if out is None:
+        return values
+    return out.copy_(values)
+
+
 # ----------------------------------------------------------------------------- FP8 (128x128 blocks)
 
 def quantize_fp8_blocks(weight: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

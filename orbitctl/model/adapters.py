@@ -116,6 +116,13 @@ def attach_lora(model, section, hidden_size: int, *, seed: int):
     for name, param in peft_model.named_parameters():
         if "lora_" in name:
             param.data = param.data.to(dtype)
+    if section.experts != "none":  # after PEFT, which would freeze them
+        from orbitctl.model.expert_lora import attach_expert_lora, expert_layers
+
+        expert_rank = rank if section.experts_rank == "auto" else int(section.experts_rank)
+        alpha = section.alpha if section.alpha is not None else 2 * rank
+        attach_expert_lora(peft_model, section.experts, expert_rank, alpha, dtype, seed=seed)
+        modules = modules + [f"{name}[{section.experts} rank {expert_rank}]" for name, _ in expert_layers(peft_model)]
     return peft_model, AdapterReport("lora", modules, _count_trainable(peft_model), rank)
 
 
@@ -130,12 +137,24 @@ def load_lora(model, directory: str | Path, dtype: str = "bf16"):
     from orbitctl.model.quant_linear import QuantLinear
 
     config = LoraConfig.from_pretrained(str(directory))
+    experts = _expert_sidecar(directory)
+    if experts is not None:  # orbitctl builds the experts' adapters itself, not PEFT
+        config.target_modules = [t for t in config.target_modules if not _ROUTED_EXPERT.search(t)]
+        config.rank_pattern, config.alpha_pattern = {}, {}
     config._register_custom_module({QuantLinear: _quant_lora_layer()})
     peft_model = PeftModel.from_pretrained(model, str(directory), config=config, autocast_adapter_dtype=False)
     target = torch_dtype(dtype, next(model.parameters()).device)
     for name, param in peft_model.named_parameters():
         if "lora_" in name:
             param.data = param.data.to(target)
+    if experts is not None:
+        from safetensors.torch import load_file
+
+        from orbitctl.model.expert_lora import attach_expert_lora, load_expert_lora_tensors
+
+        attach_expert_lora(peft_model, experts["layout"], experts["rank"], experts["alpha"], target, seed=0)
+        file = Path(directory) / "adapter_model.safetensors"
+        load_expert_lora_tensors(peft_model, load_file(str(file)), str(file))
     return peft_model
 
 
@@ -224,8 +243,15 @@ def bottleneck_modules(model):
 def adapters_disabled(model):
     """The reference policy: the same weights with every adapter switched off (no copy)."""
     if hasattr(model, "disable_adapter"):
-        with model.disable_adapter():
-            yield
+        from orbitctl.model.expert_lora import set_expert_lora_enabled
+
+        switched = set_expert_lora_enabled(model, False)
+        try:
+            with model.disable_adapter():
+                yield
+        finally:
+            for lora in switched:
+                lora.enabled = True
         return
     modules = bottleneck_modules(model)
     for m in modules:
@@ -276,6 +302,7 @@ def load_bottleneck(model, directory: str | Path) -> None:
 def save_adapter(model, directory: str | Path, kind: str, hidden_size: int) -> None:
     if kind == "lora":
         model.save_pretrained(str(directory), safe_serialization=True)
+        _save_expert_adapters(model, Path(directory))
     else:
         save_bottleneck(model, directory, hidden_size)
 
@@ -286,7 +313,54 @@ def load_adapter_weights(model, directory: str | Path, kind: str) -> None:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
-        state = load_file(str(Path(directory) / "adapter_model.safetensors"))
+        file = Path(directory) / "adapter_model.safetensors"
+        state = load_file(str(file))
         set_peft_model_state_dict(model, state)
+        from orbitctl.model.expert_lora import load_expert_lora_tensors
+
+        load_expert_lora_tensors(model, state, str(file))
     else:
         load_bottleneck(model, directory)
+
+
+EXPERT_SIDECAR = "expert_adapter.json"
+"""Beside a LoRA adapter whose routed experts have their own: ``{"format": "orbitctl-expert-lora", "version": 1,
+"layout", "rank", "alpha"}``. The factors themselves are in ``adapter_model.safetensors`` under PEFT's
+per-expert names, and ``adapter_config.json`` lists the expert projections (with ``rank_pattern`` and
+``alpha_pattern`` for their rank), so a PEFT-format loader (vLLM's MoE LoRA) sees an ordinary per-expert LoRA."""
+
+
+def _save_expert_adapters(model, directory: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from orbitctl.model.expert_lora import expert_layers, expert_lora_tensors
+
+    tensors = expert_lora_tensors(model)
+    if not tensors:
+        return
+    lora = next(m.expert_lora for _, m in expert_layers(model) if m.expert_lora is not None)
+    file = directory / "adapter_model.safetensors"
+    save_file({**load_file(str(file)), **tensors}, str(file), metadata={"format": "pt"})
+    config_file = directory / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    projections = sorted({key.split(".lora_")[0].removeprefix("base_model.model.") for key in tensors})
+    config["target_modules"] = sorted(set(config.get("target_modules") or []) | set(projections))
+    pattern = r"experts\.\d+\.(gate|up|down)_proj$"
+    config["rank_pattern"] = {**(config.get("rank_pattern") or {}), pattern: lora.rank}
+    config["alpha_pattern"] = {**(config.get("alpha_pattern") or {}), pattern: lora.alpha}
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (directory / EXPERT_SIDECAR).write_text(json.dumps(
+        {"format": "orbitctl-expert-lora", "version": 1, "layout": lora.layout, "rank": lora.rank,
+         "alpha": lora.alpha}, indent=2) + "\n")
+
+
+def _expert_sidecar(directory: str | Path) -> dict | None:
+    path = Path(directory) / EXPERT_SIDECAR
+    if not path.exists():
+        return None
+    try:
+        meta = json.loads(path.read_text())
+        return {"layout": str(meta["layout"]), "rank": int(meta["rank"]), "alpha": float(meta["alpha"])}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InputFileError(f"{path}: not an orbitctl expert-adapter description ({exc})",
+                             fix="save the adapter again with orbitctl train") from exc

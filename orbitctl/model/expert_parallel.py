@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
 from orbitctl.errors import UserError
+from orbitctl.model.expert_lora import expert_forward
 
 
 @dataclass(frozen=True)
@@ -105,20 +107,25 @@ class ExpertParallelExperts(nn.Module):
         self.per_rank, self.first = len(owned), owned.start
         for index, expert in local_experts.items():
             self.add_module(str(index), expert)
+        self.held = owned
+        self.expert_lora = None
+        """The adapters of the experts held here (:class:`~orbitctl.model.expert_lora.ExpertLoRA`), when asked for."""
 
     def expert(self, index: int) -> nn.Module:
         return getattr(self, str(index))
 
     def _run_local(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The local experts on the rows that arrived, grouped by expert; the result keeps the rows' order."""
-        if x.shape[0] == 0:
-            return x + 0.0  # an empty exchange still joins the graph on every rank
+        if x.shape[0] == 0:  # an empty exchange still joins the graph on every rank, adapters included
+            lora = self.expert_lora
+            if lora is not None and lora.enabled and torch.is_grad_enabled():
+                return x + 0.0 * sum(p.sum() for p in lora.parameters()).to(x.dtype)
+            return x + 0.0
         rows_all, outs = [], []
+        lora = self.expert_lora.bound() if self.expert_lora is not None else None
         for index in torch.unique(experts).tolist():
             rows = (experts == index).nonzero().squeeze(-1)
-            expert = self.expert(index)
-            h = x[rows]
-            outs.append(expert.down_proj(self.act_fn(expert.gate_proj(h)) * expert.up_proj(h)))
+            outs.append(expert_forward(self.expert(index), self.act_fn, x[rows], lora, index))
             rows_all.append(rows)
         return torch.cat(outs)[torch.argsort(torch.cat(rows_all))]
 

@@ -23,7 +23,7 @@ from orbitctl.plan.budget import evaluate, prepare
 from orbitctl.plan.comm import COMM_TERMS
 from orbitctl.plan.result import COMPONENTS, PHASES, Advice, MemoryPlan
 
-__all__ = ["plan_profile", "plan_sweep", "apply_changes", "measure_profile", "MemoryPlan", "Advice",
+__all__ = ["plan_profile", "plan_sweep", "apply_changes", "measure_profile", "compare_profile", "MemoryPlan", "Advice",
            "COMPONENTS", "COMM_TERMS", "PHASES"]
 
 
@@ -109,9 +109,24 @@ def plan_sweep(profile, sweeps: list[tuple[str, list[Any]]], *, gpu_memory_bytes
         rows.append({"values": change, "peak_bytes": plan.peak_bytes, "peak_phase": plan.peak_phase,
                      "utilization": round(plan.utilization, 4), "fits": plan.fits,
                      "max_micro_batch": plan.max_micro_batch, "phase_peak_bytes": plan.phase_peak_bytes,
-                     "step_seconds": plan.timing.seconds,
+                     "step_seconds": plan.timing.seconds, "gpu_hours": plan.timing.gpu_hours,
+                     "cost_per_step": plan.timing.cost_per_step,
                      "phase_seconds": {k: p.seconds for k, p in plan.timing.phases.items()}})
     return rows
+
+
+def compare_profile(profile, axes: list[str], *, gpu_memory_bytes: int | None = None) -> dict:
+    """``plan --compare``: the run in other layouts (orbitctl.plan.compare), ranked by predicted step time."""
+    from orbitctl.plan.compare import compare
+
+    def replan(change: dict[str, Any]) -> MemoryPlan | None:
+        try:
+            other = apply_changes(profile, change) if change else profile
+        except (ProfileError, UserError):
+            return None
+        return plan_profile(other, gpu_memory_bytes=gpu_memory_bytes, with_advice=False)
+
+    return compare(profile, _arch(profile), axes, replan)
 
 
 def measure_profile(profile, **kwargs):

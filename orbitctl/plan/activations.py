@@ -12,6 +12,8 @@ input, so only adapted modules keep theirs):
   gate/up output, silu output and expert output: ``k(4h + 6i_moe + 4) + 4E + 32k``.
 - Adapters: the shared normed input ``2h`` once per block, the LoRA-A output ``2r`` per
   adapted module; dropout adds ``3 d_in`` (copy + mask) per module, fp32 adapters ``4 d_in``.
+  The routed experts' own adapters (``adapter.experts``) keep ``a(h + i_moe + 3r)`` per routed
+  copy (:func:`expert_adapter_saved`).
 
 With per-layer checkpointing only each layer's bf16 input ``2h`` stays; backward then
 recomputes one layer and holds its saved tensors plus the gradients of its block (about one
@@ -140,6 +142,14 @@ def _mlp_core(arch: ArchSpec, layer: Layer, ad: AdapterPlan) -> tuple[float, flo
     return core, down, materialized
 
 
+def expert_adapter_saved(hidden: int, width: int, rank: int, adapter_bytes: int) -> float:
+    """Bytes autograd keeps per routed (token, expert) copy for the routed experts' own adapters
+    (``adapter.experts``): the expert's input and the down projection's input in the adapters' dtype
+    (the frozen INT4 path keeps neither) and the three ``[r]`` products ``x A^T`` that B's gradient
+    needs. The same for every layout: sharing a factor shares parameters, not activations."""
+    return float(adapter_bytes * (hidden + width + 3 * rank))
+
+
 def layer_activations(arch: ArchSpec, layer: Layer, ad: AdapterPlan, st: ActivationSettings) -> LayerActivations:
     h = arch.hidden_size
     norm1 = norm2 = 4.0 * h + 4
@@ -147,6 +157,9 @@ def layer_activations(arch: ArchSpec, layer: Layer, ad: AdapterPlan, st: Activat
     attn_lora = _lora_inputs(arch, layer, ad, (ATTENTION,), st)
     mlp, mlp_down, materialized = _mlp_core(arch, layer, ad)
     mlp_lora = _lora_inputs(arch, layer, ad, (MLP, SHARED_EXPERT, EXPERT, ROUTER), st)
+    if layer.moe and ad.expert_layout != "none":
+        mlp_lora += arch.experts_per_token * expert_adapter_saved(h, arch.moe_intermediate_size, ad.expert_rank,
+                                                                  st.adapter_bytes)
     bottleneck = 2.0 * h + 2 * ad.rank if ad.kind == "bottleneck" else 0.0  # MLP output into down, relu into up
     if layer.index == 0:
         # nothing before the first trainable weight needs a gradient, so autograd keeps nothing there

@@ -20,6 +20,38 @@ PRESETS = {
 }
 
 
+EXPERT_LAYOUTS = ("none", "shared", "shared-outer", "per-expert")
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def expert_factor_shares(layout: str, projection: str) -> tuple[bool, bool]:
+    """Whether A and B of a routed-expert ``projection`` are one matrix for all experts of a layer in ``layout``:
+    ``shared`` shares both; ``shared-outer`` shares the factor on the hidden side (A of gate/up, B of down)."""
+    if layout == "shared":
+        return True, True
+    if layout == "shared-outer":
+        return projection != "down_proj", projection == "down_proj"
+    if layout == "per-expert":
+        return False, False
+    raise ValueError(f"unknown expert-adapter layout {layout!r}; one of {', '.join(EXPERT_LAYOUTS[1:])}")
+
+
+def expert_adapter_params(layout: str, num_experts: int, hidden: int, width: int, rank: int) -> int:
+    """Trainable parameters of one MoE layer's routed-expert adapters (gate, up, down): per-expert
+    3 E r (d + f), shared-outer 3 r (d + E f), shared 3 r (d + f)."""
+    total = 0
+    for projection in EXPERT_PROJECTIONS:
+        d_in, d_out = (width, hidden) if projection == "down_proj" else (hidden, width)
+        for size, shared in zip((rank * d_in, d_out * rank), expert_factor_shares(layout, projection)):
+            total += size * (1 if shared else num_experts)
+    return total
+
+
+def expert_adapter_rank(adapter, hidden_size: int) -> int:
+    """``adapter.experts_rank``; auto is the adapter's own rank."""
+    return adapter_rank(adapter, hidden_size) if adapter.experts_rank == "auto" else int(adapter.experts_rank)
+
+
 @dataclass(frozen=True)
 class AdapterPlan:
     kind: str
@@ -32,6 +64,11 @@ class AdapterPlan:
     adapted: frozenset[tuple[int, str]]
     """(layer index, weight name) of every adapted linear weight."""
     adapts_routed_experts: bool
+    expert_layout: str = "none"
+    """``adapter.experts``: the routed experts' own adapters (computed on the routed tokens, never materialised)."""
+    expert_rank: int = 0
+    expert_params: int = 0
+    """Trainable parameters of the routed-expert adapters, all MoE layers (included in ``trainable_params``)."""
 
     def adapted_in(self, layer_index: int, name: str) -> bool:
         return (layer_index, name) in self.adapted
@@ -79,5 +116,17 @@ def plan_adapters(arch: ArchSpec, adapter) -> AdapterPlan:
         total += a_size + b_size
         per_layer[index] = per_layer.get(index, 0) + a_size + b_size
         persistent += sum(m for m in (a_size, b_size) if m < threshold)
+    layout, expert_rank, expert_params = adapter.experts, 0, 0
+    if layout != "none":
+        moe = [layer.index for layer in arch.layers if layer.moe]
+        if not moe:
+            raise UserError(f"adapter.experts: {arch.name} has no routed experts", fix="set adapter.experts: none")
+        expert_rank = expert_adapter_rank(adapter, h)
+        layer = expert_adapter_params(layout, arch.num_experts, h, arch.moe_intermediate_size, expert_rank)
+        expert_params = layer * len(moe)
+        for i in moe:
+            per_layer[i] = per_layer.get(i, 0) + layer
+        total += expert_params
     return AdapterPlan("lora", rank, total, max(per_layer.values()), persistent,
-                       frozenset((i, w.name) for i, w in chosen), any(w.kind == EXPERT for _, w in chosen))
+                       frozenset((i, w.name) for i, w in chosen), any(w.kind == EXPERT for _, w in chosen),
+                       layout, expert_rank, expert_params)

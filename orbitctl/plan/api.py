@@ -17,6 +17,8 @@ class PlanRun:
     measurement: Any = None
     time_measurement: Any = None
     """orbitctl.plan.measure_time.TimeMeasurement (``--measure-time``)."""
+    comparison: dict | None = None
+    """orbitctl.plan.compare.compare's rows (``--compare``)."""
     archs: list[dict] | None = None
     usable_bytes: int = 0
 
@@ -47,6 +49,8 @@ class PlanRun:
             doc["measurement"] = self.measurement.to_dict()
         if self.time_measurement is not None:
             doc["time_measurement"] = self.time_measurement.to_dict()
+        if self.comparison is not None:
+            doc["comparison"] = self.comparison
         return doc
 
 
@@ -63,7 +67,7 @@ def parse_sweep(item: str) -> tuple[str, list[Any]]:
 
 def run_plan(path: str | None, overrides: list[str] | tuple[str, ...] = (), *, sweeps: list[str] | None = None,
              measure: bool = False, list_archs: bool = False, gpu_memory_bytes: int | None = None,
-             measure_time: bool = False) -> PlanRun:
+             measure_time: bool = False, compare: str | None = None) -> PlanRun:
     """Load the profile at ``path`` (with --set overrides) and plan, sweep or measure it."""
     from orbitctl.plan import apply_changes, plan_profile, plan_sweep
 
@@ -72,7 +76,7 @@ def run_plan(path: str | None, overrides: list[str] | tuple[str, ...] = (), *, s
 
         extra = [name for name, given in (("PROFILE", path), ("--set", list(overrides)), ("--sweep", sweeps),
                                           ("--measure", measure),
-                                          ("--measure-time", measure_time)) if given]
+                                          ("--measure-time", measure_time), ("--compare", compare)) if given]
         if extra:
             raise UserError(f"--list-archs lists the built-in architectures and takes no {', '.join(extra)}",
                             fix="run orbitctl plan --list-archs on its own (--json is fine)")
@@ -83,6 +87,15 @@ def run_plan(path: str | None, overrides: list[str] | tuple[str, ...] = (), *, s
     if sweeps and (measure or measure_time):
         raise UserError("--measure and --measure-time calibrate one plan, not a sweep",
                         fix="drop them, or plan one setting with --set KEY=VALUE --measure")
+    if compare is not None:
+        extra = [name for name, given in (("--sweep", sweeps), ("--measure", measure), ("--measure-time", measure_time))
+                 if given]
+        if extra:
+            raise UserError(f"--compare ranks the profile's own run in other layouts; it takes no {', '.join(extra)}",
+                            fix="run --compare on its own (with --set and --json if wanted)")
+        from orbitctl.plan.compare import parse_axes
+
+        axes = parse_axes(compare)
     from orbitctl.profile import load_profile
 
     profile = load_profile(path, list(overrides))
@@ -96,6 +109,10 @@ def run_plan(path: str | None, overrides: list[str] | tuple[str, ...] = (), *, s
         run.usable_bytes = plan_profile(profile, gpu_memory_bytes=gpu_memory_bytes, with_advice=False).usable_bytes
         return run
     run.plan = plan_profile(profile, gpu_memory_bytes=gpu_memory_bytes)
+    if compare is not None:
+        from orbitctl.plan import compare_profile
+
+        run.comparison = compare_profile(profile, axes, gpu_memory_bytes=gpu_memory_bytes)
     if measure:
         from orbitctl.plan.measure import calibrate, measure_profile
 

@@ -29,6 +29,15 @@ CUDA_CONTEXT = int(0.5 * GiB)
 NCCL_PER_COMMUNICATOR = 1 * GiB
 PROCESS_HOST_BYTES = 3 * GiB
 """Host RSS of one training rank: Python, torch, CUDA libraries."""
+CPU_RANK_RUNTIME = int(0.25 * GiB)
+"""What a CPU rank's resident set gains on top of its tensors from the moment before the model is built (the
+baseline train measures from): the Python modules that building the model imports (transformers' model code and
+PEFT, 0.16 GiB measured with transformers 5.24 / PEFT 0.21), the modules' Python objects, the DeepSpeed engine,
+gloo, the OpenMP pool and oneDNN's JIT kernels for the matmul shapes a step runs. The CPU rank's counterpart of
+``cuda_context``; measured, not derived (docs/plan.md)."""
+INT4_WORKSPACE_BYTES = 4 + 4
+"""Per element of the largest INT4 matrix, the CPU dequantization workspace's int32 codes and float32 values
+(orbitctl.model.quant_linear.int4_workspace); the result in the compute dtype comes on top unless it is fp32."""
 OVERLAP_COMM_FACTOR = 4.5
 VLLM_PREFILL_TOKENS = 8192
 """A separate engine's chunked-prefill budget (max_num_batched_tokens)."""
@@ -111,6 +120,7 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
         1 if ro.engine == "separate" and ro.engine_tp > 1 else 0)
     fixed = {
         "cuda_context": CUDA_CONTEXT if on_gpu else 0,
+        "cpu_runtime": 0 if on_gpu else CPU_RANK_RUNTIME,
         "nccl": communicators * NCCL_PER_COMMUNICATOR if on_gpu else 0,
         "zero_buckets": int(OVERLAP_COMM_FACTOR * 2 * min(arch.hidden_size ** 2, ad.trainable_params))
         if (mem.zero_stage > 0 and world > 1) else 0,
@@ -125,12 +135,22 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
         notes.append("bitsandbytes quant_state (absmax) is not a parameter: every rank keeps all of it")
     notes += _layout_notes(arch, layout, storage)
     gather = gather_window(gather_units(storage, layout), mem.prefetch_layers)
-    dequant = float(storage.largest_dequant_bytes)
+    cdt = compute_dtype_bytes(profile)
+    # INT4 on the CPU: one workspace per rank, kept between matmuls (resident); elsewhere a fresh bf16 weight per matmul
+    workspace = not on_gpu and fmt.name == "int4"
+    largest = storage.largest_dequant_bytes // 2  # elements of the largest quantized matrix
+    fixed["dequant_workspace"] = largest * (INT4_WORKSPACE_BYTES + (cdt if cdt != 4 else 0)) if workspace else 0
+    dequant = 0.0 if workspace else float(storage.largest_dequant_bytes)
     if ad.adapts_routed_experts:
         notes.append("adapters on routed experts: PEFT builds every expert's bf16 weight per MoE layer "
                      f"({storage.layer_expert_bf16_bytes / GiB:.1f} GiB); prefer adapter.targets: attention+shared")
+    if ad.expert_layout != "none":
+        held = "; under EP every GPU keeps all experts' factors (only the owner's get gradients)" \
+            if layout.expert_parallel_on and ad.expert_layout != "shared" else ""
+        notes.append(f"routed-expert adapters: {ad.expert_layout} rank {ad.expert_rank}, "
+                     f"{ad.expert_params / 1e9:.3g} B parameters, computed on the routed tokens over the frozen experts "
+                     f"(no bf16 expert weights built){held}")
     base = {k: int(v) for k, v in resident_base(storage, layout).items()}
-    cdt = compute_dtype_bytes(profile)
 
     # ---- adapter states ---------------------------------------------------------------------
     states = model_states(
@@ -209,5 +229,5 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
                  "routed_expert_total_bytes": int(storage.expert_bytes)},
         communication=comm,
         timing=step_time(profile, arch, storage, layout, comm,
-                         adapter_bytes=ad.trainable_params * (2 if profile.adapter.dtype == "bf16" else 4)),
+                         adapter_bytes=ad.trainable_params * (2 if profile.adapter.dtype == "bf16" else 4), adapters=ad),
     )

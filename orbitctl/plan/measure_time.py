@@ -1,11 +1,12 @@
-"""`plan --measure-time`: time one real RL step of the profile on this machine, next to the time model.
+"""`plan --measure-time`: time real RL steps of the profile on this machine, next to the time model.
 
-Measures this machine's matmul throughput (a GEMM of the model's own update shape, in the compute dtype) and its memory
-bandwidth (a large tensor copy), runs ``orbitctl train`` for one step in a temporary run
-directory, and reads the step's ``time_rollout_s`` and ``time_update_s`` from metrics.jsonl.
-The prediction is timing.py's at the measured rates with every efficiency factor 1 (the
-rates are already what this machine achieves); nothing is fitted. Imports torch (lazily,
-like ``--measure``); the rest of the planner stays torch-free.
+Measures this machine's matmul throughput (a GEMM of the model's own update shape, and the adapters' thin one, in the
+compute dtype), its memory bandwidth (a large tensor copy), the cost of one small eager op and of one CPU attention
+work item (microbenchmarks of a fixed tiny size), runs ``orbitctl train`` for ``STEPS`` steps in a temporary run
+directory on one thread, and reads the steps' ``time_rollout_s`` and ``time_update_s`` from metrics.jsonl (the
+fastest of the steps after the first, as each microbenchmark is the best of its runs). The prediction is
+timing.py's at the measured rates with every efficiency factor 1 (the rates are already what this machine
+achieves); nothing is fitted. Imports no torch itself: the child does.
 """
 
 from __future__ import annotations
@@ -16,6 +17,14 @@ from dataclasses import dataclass, field
 
 from orbitctl.plan.timing import Efficiency, Peaks, StepTime
 
+STEPS = 4
+"""Steps timed: the first pays the warm-up (allocator, lazy kernels, new GEMM shapes); the prediction is of a
+steady step, measured as the fastest of the others (on shared cores the slower ones are the neighbours' time)."""
+THREADS = 1
+"""Torch threads of the timed child: on a machine whose cores are shared a second thread waits on a busy core and
+the step's time is the scheduler's; one thread times this core, and the microbenchmarks run on the same one."""
+
+
 @dataclass
 class TimeMeasurement:
     """Measured rates, the predicted step at those rates and the measured seconds per phase."""
@@ -25,6 +34,8 @@ class TimeMeasurement:
     predicted: StepTime
     measured_s: dict[str, float]
     notes: list[str] = field(default_factory=list)
+    rates: dict = field(default_factory=dict)
+    """Everything the child measured (op_s, attention_block_s, adapter_flops_per_s, threads, first-step times)."""
 
     @property
     def rows(self) -> list[dict]:
@@ -37,8 +48,8 @@ class TimeMeasurement:
         return out
 
     def to_dict(self) -> dict:
-        return {"flops_per_s": self.flops_per_s, "bytes_per_s": self.bytes_per_s, "rows": self.rows,
-                "predicted": self.predicted.to_dict(), "notes": list(self.notes)}
+        return {"flops_per_s": self.flops_per_s, "bytes_per_s": self.bytes_per_s, "rates": dict(self.rates),
+                "rows": self.rows, "predicted": self.predicted.to_dict(), "notes": list(self.notes)}
 
 
 def _predict(profile, peaks: Peaks) -> StepTime:
@@ -54,14 +65,15 @@ def _predict(profile, peaks: Peaks) -> StepTime:
     comm = communication(profile, inp.arch, inp.storage, layout, inp.adapters)
     adapter_bytes = inp.adapters.trainable_params * (2 if profile.adapter.dtype == "bf16" else 4)
     return step_time(profile, inp.arch, inp.storage, layout, comm, adapter_bytes=adapter_bytes,
-                     eff=Efficiency(compute=1.0, hbm=1.0, link=1.0), peaks=peaks)
+                     eff=Efficiency(compute=1.0, hbm=1.0, link=1.0), peaks=peaks, adapters=inp.adapters)
 
 
 def measure_time(profile) -> TimeMeasurement:
-    """One real step of ``profile`` (one rank, CPU) against the prediction at this machine's measured rates.
+    """Real steps of ``profile`` (one rank, CPU, one thread) against the prediction at this machine's measured rates.
 
     The step runs in a child process (``python -m orbitctl.rl.steptime``): the planner sits below the
     trainer and the model, and talks to them only through that command and its JSON."""
+    import os
     import subprocess
     import sys
 
@@ -79,22 +91,32 @@ def measure_time(profile) -> TimeMeasurement:
     arch = _arch(profile)
     tokens = min(profile.memory.micro_batch_size, profile.rl.prompts_per_step * profile.rl.group_size)
     gemm = (tokens * profile.memory.seq_len, arch.hidden_size, max(arch.hidden_size, arch.intermediate_size))
+    from orbitctl.plan.adapters import plan_adapters
+
+    rank = plan_adapters(arch, profile.adapter).rank
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
     with tempfile.TemporaryDirectory(prefix="orbitctl-measure-time-") as tmp:
         path = f"{tmp}/profile.yaml"
         with open(path, "w", encoding="utf-8") as fh:
             yaml.safe_dump(profile.model_dump(mode="json"), fh, sort_keys=False)
-        done = subprocess.run([sys.executable, "-m", "orbitctl.rl.steptime", path, f"{tmp}/run", *map(str, gemm)],
-                              capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-m", "orbitctl.rl.steptime", path, f"{tmp}/run", *map(str, gemm),
+                               str(rank), str(STEPS)], capture_output=True, text=True, env=env)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise RunFailed(f"--measure-time: the training step failed: {last}", fix="run orbitctl train on the profile to see why")
     got = json.loads(done.stdout.strip().splitlines()[-1])
     flops, bandwidth = got["flops_per_s"], got["bytes_per_s"]
-    peaks = Peaks(flops=flops, hbm=bandwidth, link=bandwidth, nic=bandwidth)
+    peaks = Peaks(flops=flops, hbm=bandwidth, link=bandwidth, nic=bandwidth, op_s=got["op_s"], synchronous=True,
+                  block_s=got["attention_block_s"], adapter_flops=got["adapter_flops_per_s"])
     predicted = _predict(profile, peaks)
     measured = {"rollout": got["rollout_s"], "policy_update": got["policy_update_s"]}
-    notes = [f"one rank; measured now: {got['dtype']} matmul {gemm[0]}x{gemm[1]}x{gemm[2]} (the update's widest) at "
-             f"{flops / 1e9:.1f} GFLOP/s, memory copy at {bandwidth / 1e9:.1f} GB/s; efficiency 1, nothing fitted",
-             "the model counts FLOPs and bytes only: per-op overhead (Python, kernel calls, dequantization calls) "
-             "of a tiny model is not in it"]
-    return TimeMeasurement(flops, bandwidth, predicted, measured, notes)
+    rates = {k: v for k, v in got.items() if k not in ("rollout_s", "policy_update_s")}
+    notes = [f"one rank, {got['threads']} thread(s); measured now: {got['dtype']} matmul {gemm[0]}x{gemm[1]}x{gemm[2]} "
+             f"(the update's widest) at {flops / 1e9:.1f} GFLOP/s, the adapters' x{rank} at "
+             f"{got['adapter_flops_per_s'] / 1e9:.1f} GFLOP/s, memory copy at {bandwidth / 1e9:.1f} GB/s, "
+             f"{got['op_s'] * 1e6:.1f} us per small eager op, "
+             f"{got['attention_block_s'] * 1e6:.1f} us per attention item",
+             f"measured: the fastest of steps 2-{got['steps']} (the first, with its warm-up: rollout "
+             f"{got['first_rollout_s']:.3f} s, update {got['first_policy_update_s']:.3f} s); "
+             "efficiency 1, nothing fitted"]
+    return TimeMeasurement(flops, bandwidth, predicted, measured, notes, rates=rates)

@@ -11,6 +11,7 @@ PHASES = ("policy_update", "rollout", "adapter_sync")
 # Components in the order the table shows them, with a one-line meaning (docs/plan.md has formulas).
 COMPONENTS = {
     "cuda_context": "CUDA context, kernels and cuBLAS workspace",
+    "cpu_runtime": "CPU rank: modules imported to build the model, DeepSpeed engine, gloo, thread pools, oneDNN kernels",
     "nccl": "NCCL communicator buffers",
     "zero_buckets": "DeepSpeed reduce buckets (overlap_comm)",
     "base_weights": "frozen dense base (all but the routed experts), stored format: replicated or ZeRO-3 shard",
@@ -19,6 +20,8 @@ COMPONENTS = {
     "quant_state_replicated": "quantization metadata every rank keeps whole",
     "zero3_gather": "ZeRO-3 gathered units (current + prefetch); no routed experts under expert parallelism",
     "dequant_transient": "bf16 copy of the weight being dequantized",
+    "dequant_workspace": "CPU rank, INT4: the dequantization workspace every matmul reuses (int32 codes, fp32 values, "
+                         "result), sized by the largest quantized matrix",
     "all_to_all_buffers": "expert-parallel dispatch/combine buffers of the MoE layer in flight (send + receive)",
     "adapter_weights": "trainable adapter weights",
     "adapter_grads": "adapter gradients",

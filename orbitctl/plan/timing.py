@@ -9,13 +9,18 @@ separate engine, zero for the shared one) gets three figures per GPU:
   forwards and the recompute of gradient checkpointing;
 - ``hbm_bytes``: the weights each forward reads (of a MoE layer only the experts the batch
   touches, E (1 - (1 - k/E)^B)), the KV cache each decoded token reads and the bf16 copy plain-torch
-  dequantization writes and reads back;
-- ``comm_bytes``: comm.py's terms of the phase, split into intra-node and inter-node bytes.
+  dequantization writes and reads back; on a CPU also the elementwise ops' activation traffic;
+- ``comm_bytes``: comm.py's terms of the phase, split into intra-node and inter-node bytes;
+- ``ops``: the eager operators the phase issues (ops.py: counted from the architecture), each
+  costing ``Peaks.op_s`` (a CUDA kernel launch, or a CPU op's dispatch as measured).
 
 Each figure becomes seconds at the catalog's peak times an efficiency factor (the module
 constants below, sourced in docs/plan.md, "Time per RL step"); overridable by passing
 ``Efficiency``. Overlap rule: compute and HBM traffic overlap (roofline), communication does
-not: phase seconds = max(compute, memory) + communication. Imports no torch.
+not; a GPU's launches overlap its kernels (asynchronous): GPU seconds = max(compute, memory,
+overhead) + communication. A CPU runs one op after another, each bound by its own FLOPs (a
+GEMM) or bytes (an elementwise op), and pays each op's overhead: CPU seconds = compute + memory
++ overhead + communication. Imports no torch.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from typing import Any
 from orbitctl.arch.spec import EXPERT, ArchSpec
 from orbitctl.plan.comm import Communication, prompt_tokens, rollout_batch
 from orbitctl.plan.layout import Layout
+from orbitctl.plan.ops import (BACKWARD_OPS, OPS_LOSS, OPS_OPTIMIZER, OPS_SAMPLE, activation_bytes_per_token,
+                               adapter_active_params, attention_blocks, op_counts)
 from orbitctl.plan.storage import BaseStorage
 
 COMPUTE_EFFICIENCY = 0.5
@@ -39,8 +46,18 @@ NIC_GBITS_PER_GPU = 400.0
 """Inter-node bandwidth per GPU, Gb/s: one 400 Gb/s InfiniBand NDR adapter per GPU (DGX/HGX H100, H200, B200)."""
 DEQUANT_PASSES = 2
 """A plain-torch dequantization writes the bf16 copy of each weight it uses and the matmul reads it back."""
+KERNEL_LAUNCH_S = 5e-6
+"""Seconds per eager op on a GPU: one CUDA kernel launch plus PyTorch's dispatch, 4-10 us (NVIDIA: a launch costs
+about 5 us of host time; PyTorch eager overhead, "Making Deep Learning Go Brrrr", He 2022: ~10 us per op); the low
+end is taken. Asynchronous: it overlaps the kernels already queued."""
+CPU_OP_S = 6e-6
+"""Seconds per eager op on the catalog's ``cpu`` entry when nothing is measured (``--measure-time`` measures it):
+the small-op microbenchmark of orbitctl.rl.steptime on a 2-core AVX512-BF16 EPYC, bf16, one thread (6.5 us)."""
+CPU_BLOCK_S = 4e-6
+"""Seconds per attention work item (one sequence x head) of ATen's CPU attention kernel when nothing is measured:
+the same machine's microbenchmark (4.5 us in bf16, 2.0 us in fp32)."""
 
-BOUNDS = ("compute", "HBM", "interconnect")
+BOUNDS = ("compute", "HBM", "interconnect", "overhead")
 TIME_PHASES = ("rollout", "policy_update", "adapter_sync")
 
 
@@ -56,12 +73,20 @@ class Efficiency:
 
 @dataclass(frozen=True)
 class Peaks:
-    """One GPU's peaks: FLOP/s, HBM bytes/s, peer-link and inter-node bytes/s (one direction)."""
+    """One GPU's peaks: FLOP/s, HBM bytes/s, peer-link and inter-node bytes/s (one direction), seconds per eager op."""
 
     flops: float
     hbm: float
     link: float
     nic: float
+    op_s: float = KERNEL_LAUNCH_S
+    """Seconds one eager op costs the host: a kernel launch (GPU), a CPU op's dispatch and framework overhead."""
+    synchronous: bool = False
+    """The host runs the ops itself (CPU): their overhead adds to the compute instead of hiding under it."""
+    block_s: float = 0.0
+    """Seconds per attention work item (sequence x head) of a CPU attention kernel; 0 on a GPU (one launch)."""
+    adapter_flops: float = 0.0
+    """FLOP/s of the adapters' thin matmuls (tokens x hidden x rank); 0: the same as ``flops``."""
 
 
 def peaks_of(profile, eff: Efficiency = Efficiency()) -> Peaks:
@@ -70,8 +95,10 @@ def peaks_of(profile, eff: Efficiency = Efficiency()) -> Peaks:
 
     spec = resolve_gpu(profile.hardware.gpu)
     link = spec.p2p_bandwidth_gbs * 1e9 / 2 or spec.hbm_bandwidth_gbs * 1e9  # CPU ranks talk through memory
+    cpu = spec.vendor == "cpu"
     return Peaks(flops=spec.bf16_tflops * 1e12, hbm=spec.hbm_bandwidth_gbs * 1e9, link=link,
-                 nic=eff.nic_gbits_per_gpu * 1e9 / 8)
+                 nic=eff.nic_gbits_per_gpu * 1e9 / 8, op_s=CPU_OP_S if cpu else KERNEL_LAUNCH_S, synchronous=cpu,
+                 block_s=CPU_BLOCK_S if cpu else 0.0)
 
 
 @dataclass
@@ -86,9 +113,18 @@ class PhaseTime:
     """Communication that crosses nodes (InfiniBand)."""
     tokens: int
     """Tokens the phase processes over all GPUs (decoded tokens for the rollout)."""
+    ops: float = 0.0
+    """Eager operators the phase issues (ops.py)."""
+    items: float = 0.0
+    """Attention work items (sequence x head per layer) a CPU attention kernel loops over."""
+    adapter_flops: float = 0.0
+    """The part of ``flops`` in the adapters' thin matmuls."""
     compute_s: float = 0.0
     memory_s: float = 0.0
     comm_s: float = 0.0
+    overhead_s: float = 0.0
+    """ops x seconds per op + attention items x seconds per item."""
+    synchronous: bool = False
     floor_s: float = 0.0
     """max(FLOPs / peak FLOP/s, bytes / peak HBM, comm bytes / peak links): no run can be faster."""
     parts: dict[str, PhaseTime] = field(default_factory=dict)
@@ -100,14 +136,16 @@ class PhaseTime:
         other, the sum of theirs."""
         if self.parts:
             return sum(p.seconds for p in self.parts.values())
-        return max(self.compute_s, self.memory_s) + self.comm_s
+        if self.synchronous:  # one op after another: a GEMM's FLOPs, an elementwise op's bytes, each op's overhead
+            return self.compute_s + self.memory_s + self.overhead_s + self.comm_s
+        return max(self.compute_s, self.memory_s, self.overhead_s) + self.comm_s
 
     @property
     def bound(self) -> str:
-        """The largest of the three terms: compute, HBM or interconnect ('-' for an empty phase)."""
+        """The largest of the four terms: compute, HBM, interconnect or overhead ('-' for an empty phase)."""
         if not self.seconds:
             return "-"
-        return max(zip((self.compute_s, self.memory_s, self.comm_s), BOUNDS))[1]
+        return max(zip((self.compute_s, self.memory_s, self.comm_s, self.overhead_s), BOUNDS))[1]
 
     @property
     def tokens_per_s(self) -> float:
@@ -122,7 +160,10 @@ class PhaseTime:
 
 def _timed(phase: PhaseTime, peaks: Peaks, eff: Efficiency) -> PhaseTime:
     nic = peaks.nic if phase.inter_bytes else 1.0
-    phase.compute_s = phase.flops / (peaks.flops * eff.compute)
+    thin = peaks.adapter_flops or peaks.flops
+    phase.compute_s = ((phase.flops - phase.adapter_flops) / peaks.flops + phase.adapter_flops / thin) / eff.compute
+    phase.overhead_s = phase.ops * peaks.op_s + phase.items * peaks.block_s
+    phase.synchronous = peaks.synchronous
     phase.memory_s = phase.hbm_bytes / (peaks.hbm * eff.hbm)
     phase.comm_s = (phase.intra_bytes / peaks.link + phase.inter_bytes / nic) / eff.link
     phase.floor_s = max(phase.flops / peaks.flops, phase.hbm_bytes / peaks.hbm,
@@ -138,6 +179,10 @@ class StepTime:
     world: int
     nodes: int
     efficiency: Efficiency
+    steps: int = 1
+    """RL steps of the run (rl.steps): one rollout batch and its updates each."""
+    price_per_gpu_hour: float | None = None
+    """hardware.price_per_gpu_hour, USD; None: no cost."""
 
     @property
     def seconds(self) -> float:
@@ -145,10 +190,26 @@ class StepTime:
 
     @property
     def gpu_hours(self) -> float:
+        """GPU-hours of one step: seconds x GPUs / 3600."""
         return self.seconds * self.world / 3600
+
+    @property
+    def run_gpu_hours(self) -> float:
+        return self.gpu_hours * self.steps
+
+    @property
+    def cost_per_step(self) -> float | None:
+        return None if self.price_per_gpu_hour is None else self.gpu_hours * self.price_per_gpu_hour
+
+    @property
+    def cost_per_run(self) -> float | None:
+        return None if self.price_per_gpu_hour is None else self.run_gpu_hours * self.price_per_gpu_hour
 
     def to_dict(self) -> dict[str, Any]:
         return {"seconds": self.seconds, "gpu_hours": self.gpu_hours, "world": self.world, "nodes": self.nodes,
+                "steps": self.steps, "run_seconds": self.seconds * self.steps, "run_gpu_hours": self.run_gpu_hours,
+                "price_per_gpu_hour": self.price_per_gpu_hour, "cost_per_step": self.cost_per_step,
+                "cost_per_run": self.cost_per_run,
                 "rollout_tokens_per_s": self.phases["rollout"].tokens_per_s,
                 "update_tokens_per_s": self.phases["policy_update"].tokens_per_s,
                 "efficiency": asdict(self.efficiency), "phases": {k: p.to_dict() for k, p in self.phases.items()}}
@@ -195,7 +256,6 @@ def weight_reads(arch: ArchSpec, storage: BaseStorage, layout: Layout) -> Weight
     """The weights a forward reads: the embedding is a lookup (unless tied to the head), dequantized weights twice more."""
     dense_stored = storage.total_bytes - storage.expert_bytes - (storage.embedding_bytes if arch.lm_head else 0)
     dense_params = arch.params_total - arch.params_by_kind[EXPERT] - (arch.embedding.numel if arch.lm_head else 0)
-    dense_bf16 = 2.0 * dense_params
     expert_params = arch.params_by_kind[EXPERT]
     moe = arch.moe_layers
     per_expert_stored = storage.expert_bytes / (moe * arch.num_experts) if moe else 0.0
@@ -225,14 +285,28 @@ def _split(profile, layout: Layout, ring_bytes: float, a2a_bytes: float) -> tupl
 
 
 def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, comm: Communication,
-              adapter_bytes: float = 0.0, eff: Efficiency = Efficiency(), peaks: Peaks | None = None) -> StepTime:
+              adapter_bytes: float = 0.0, eff: Efficiency = Efficiency(), peaks: Peaks | None = None,
+              adapters=None) -> StepTime:
     """The three phases of one RL step per GPU (docs/plan.md, "Time per RL step"); ``peaks`` replaces the
-    catalog's (``plan --measure-time`` passes the rates it measured, with efficiency 1)."""
+    catalog's (``plan --measure-time`` passes the rates it measured, with efficiency 1); ``adapters`` (plan.adapters'
+    AdapterPlan) adds the adapters' matmuls, ops and optimizer step."""
     peaks = peaks or peaks_of(profile, eff)
     shape, world, ro = comm.shape, profile.world_size, profile.rollout
     reads = weight_reads(arch, storage, layout)
     active = arch.params_active
     terms = comm.terms
+    counts = op_counts(profile, arch, adapters)
+    lora = adapter_active_params(arch, adapters)
+    # the elementwise ops' activation traffic: counted on the CPU, where it is the time of a small model; left out
+    # on a GPU (docs/plan.md: decode's activations are batch x hidden, small against the weights, and L2-resident)
+    act = activation_bytes_per_token(profile, arch, adapters) if peaks.synchronous else 0.0
+
+    def ops(tokens: float) -> float:
+        """Ops of one forward of ``tokens`` tokens: the dense part and the experts they hit (of the E/P held under
+        expert parallelism, whose tokens come from all P ranks)."""
+        hit = reads.experts_held * touched_experts(arch.num_experts, arch.experts_per_token, tokens * reads.group) \
+            / max(arch.num_experts, 1) * arch.moe_layers
+        return counts.forward(hit)
 
     # ---- rollout: per round one prefill of the prompts, then max_new_tokens decode steps
     batch = min(rollout_batch(profile, shape.tokens_per_micro_batch // profile.memory.seq_len), shape.sequences)
@@ -242,42 +316,71 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
     intra, inter = _split(profile, layout, terms["zero3_gather_rollout"], terms["all_to_all_rollout"])
     first = 1 / shape.rollout_forwards  # the prefill's share of the per-forward traffic
     prefill = _timed(PhaseTime(
-        flops=rounds * (2.0 * active * batch * prompt + attention_flops(arch, batch * prompt, prompt / 2)),
-        hbm_bytes=rounds * (reads.bytes(batch * prompt) + batch * prompt * kv),
-        intra_bytes=intra * first, inter_bytes=inter * first, tokens=0), peaks, eff)
+        flops=rounds * (2.0 * (active + lora) * batch * prompt + attention_flops(arch, batch * prompt, prompt / 2)),
+        hbm_bytes=rounds * (reads.bytes(batch * prompt) + batch * prompt * (kv + act)),
+        intra_bytes=intra * first, inter_bytes=inter * first, tokens=0,
+        ops=rounds * (ops(batch * prompt) + OPS_SAMPLE), items=rounds * attention_blocks(arch, batch),
+        adapter_flops=rounds * 2.0 * lora * batch * prompt),
+        peaks, eff)
     mean_context = prompt + (new + 1) / 2
     decode = _timed(PhaseTime(
-        flops=rounds * new * (2.0 * active * batch + attention_flops(arch, batch, mean_context)),
-        hbm_bytes=rounds * new * (reads.bytes(batch) + batch * mean_context * kv),
-        intra_bytes=intra * (1 - first), inter_bytes=inter * (1 - first), tokens=shape.decode_tokens * world),
+        flops=rounds * new * (2.0 * (active + lora) * batch + attention_flops(arch, batch, mean_context)),
+        hbm_bytes=rounds * new * (reads.bytes(batch) + batch * mean_context * kv + batch * act),
+        intra_bytes=intra * (1 - first), inter_bytes=inter * (1 - first), tokens=shape.decode_tokens * world,
+        ops=rounds * new * (ops(batch) + OPS_SAMPLE), items=rounds * new * attention_blocks(arch, batch),
+        adapter_flops=rounds * new * 2.0 * lora * batch),
         peaks, eff)
     rollout = PhaseTime(flops=prefill.flops + decode.flops, hbm_bytes=prefill.hbm_bytes + decode.hbm_bytes,
-                        intra_bytes=intra, inter_bytes=inter, tokens=shape.decode_tokens * world)
+                        intra_bytes=intra, inter_bytes=inter, tokens=shape.decode_tokens * world,
+                        ops=prefill.ops + decode.ops, items=prefill.items + decode.items,
+                        adapter_flops=prefill.adapter_flops + decode.adapter_flops)
     _timed(rollout, peaks, eff)  # its floor from the totals; its terms and seconds are the sub-phases' sums
     rollout.compute_s = prefill.compute_s + decode.compute_s
     rollout.memory_s = prefill.memory_s + decode.memory_s
+    rollout.overhead_s = prefill.overhead_s + decode.overhead_s
     rollout.parts = {"prefill": prefill, "decode": decode}
 
     # ---- policy update: forward, recompute and backward of every micro-batch, plus the no-grad forwards
     seq = profile.memory.seq_len
     t = min(shape.tokens_per_micro_batch // seq, shape.sequences) * seq  # a micro-batch is no larger than the rank's share
     linear, attn = 2.0 * active * t, attention_flops(arch, t, seq / 2)
-    forward = linear + attn
-    backward = linear + 2 * attn  # frozen base: input gradients only (no weight-gradient GEMM); attention 2x
+    forward = linear + attn + 2.0 * lora * t
+    # frozen base: input gradients only (no weight-gradient GEMM); attention 2x; the adapters both gradients
+    backward = linear + 2 * attn + 4.0 * lora * t
     passes = shape.micro_batches * (2 + shape.recompute) + shape.no_grad_passes
     intra, inter = _split(profile, layout, terms["zero3_gather_train"] + terms["adapter_allreduce"],
                           terms["all_to_all_train"])
+    fwd_ops, fwd_items = ops(t), attention_blocks(arch, t / seq)
     update = _timed(PhaseTime(
         flops=shape.micro_batches * (forward * (1 + shape.recompute) + backward) + shape.no_grad_passes * forward,
-        hbm_bytes=passes * reads.bytes(t), intra_bytes=intra, inter_bytes=inter,
-        tokens=shape.micro_batches * t * world), peaks, eff)
+        hbm_bytes=passes * (reads.bytes(t) + t * act), intra_bytes=intra, inter_bytes=inter,
+        tokens=shape.micro_batches * t * world,
+        ops=shape.micro_batches * (fwd_ops * (1 + shape.recompute + BACKWARD_OPS) + OPS_LOSS)
+        + shape.no_grad_passes * fwd_ops + shape.optimizer_steps * OPS_OPTIMIZER * counts.trainable_tensors,
+        # the attention backward loops over the same items twice (dq, then dk and dv)
+        items=(shape.micro_batches * (1 + shape.recompute + 2) + shape.no_grad_passes) * fwd_items,
+        adapter_flops=(shape.micro_batches * (2 + 2 * shape.recompute + 4) + 2 * shape.no_grad_passes) * lora * t),
+        peaks, eff)
 
     # ---- adapter sync: a separate engine receives the whole adapter once per step; the shared one nothing
     sync_bytes = adapter_bytes if ro.engine == "separate" else 0.0
     intra, inter = _split(profile, layout, sync_bytes, 0.0)
     sync = _timed(PhaseTime(flops=0, hbm_bytes=0, intra_bytes=intra, inter_bytes=inter, tokens=0), peaks, eff)
     return StepTime({"rollout": rollout, "policy_update": update, "adapter_sync": sync}, world,
-                    profile.hardware.nodes, eff)
+                    profile.hardware.nodes, eff, steps=rl_steps(profile),
+                    price_per_gpu_hour=profile.hardware.price_per_gpu_hour)
+
+
+def rl_steps(profile) -> int:
+    """RL steps of the run: rl.steps optimizer steps, ppo_epochs x minibatches of them per rollout batch."""
+    return -(-profile.rl.steps // (profile.rl.ppo_epochs * profile.rl.minibatches))
+
+
+def cost_text(usd: float | None) -> str:
+    """'$1,234', '$12.3', '$0.042'; '-' without a price."""
+    if usd is None:
+        return "-"
+    return f"${usd:,.0f}" if usd >= 1000 else f"${usd:.3g}"
 
 
 def seconds_text(s: float | None) -> str:

@@ -68,6 +68,8 @@ class HardwareSection(Section):
     """Host RAM per node, GiB (offloaded activations and optimizer state live here)."""
     gpu_memory_gib: float | None = Field(None, gt=0)
     """Override the catalog's per-GPU memory (GiB), e.g. with the free memory seen right now."""
+    price_per_gpu_hour: float | None = Field(None, ge=0)
+    """USD per GPU-hour (optional): `orbitctl plan` prices a step and the run with it; unset gives GPU-hours only."""
 
     def memory_bytes(self) -> int:
         """Per-GPU memory the plan budgets from: ``gpu_memory_gib`` when set, else the catalog's visible bytes."""
@@ -126,6 +128,27 @@ class AdapterSection(Section):
     """Modules that get adapters: a preset or a list of module-name suffixes (q_proj, o_proj, ...)."""
     dtype: Literal["bf16", "fp32", "auto"] = "bf16"
     """Adapter weight dtype (BF16 keeps activations small; optimizer master copy is fp32 either way); auto follows the same rule as quant.compute_dtype: auto."""
+    experts: Literal["none", "shared", "shared-outer", "per-expert"] = "none"
+    """LoRA on the routed experts over their frozen INT4/FP8 weights, computed on the routed tokens, never merged: per-expert factors, shared-outer (the hidden-side factor shared by a layer's experts, the expert-side one per expert) or one shared adapter per layer; none leaves them unadapted (docs/adapters.md)."""
+    experts_rank: Union[int, Literal["auto"]] = "auto"
+    """Rank of the routed-expert adapters; auto is adapter.rank."""
+
+    @field_validator("experts_rank")
+    @classmethod
+    def _experts_rank(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be >= 1 or 'auto'")
+        return value
+
+    @model_validator(mode="after")
+    def _experts_fit_the_kind(self) -> "AdapterSection":
+        if self.experts != "none" and self.kind != "lora":
+            raise ValueError(f"experts: {self.experts} adapts the routed experts with LoRA; kind is {self.kind} "
+                             "(set adapter.experts: none, or adapter.kind: lora)")
+        if self.experts != "none" and self.targets in ("attention+mlp", "all-linear"):
+            raise ValueError(f"experts: {self.experts} gives the routed experts their own adapters, and targets: "
+                             f"{self.targets} adapts them too (set adapter.targets: attention+shared)")
+        return self
 
     @field_validator("rank")
     @classmethod

@@ -75,6 +75,10 @@ _RULES: tuple[_Rule, ...] = (
           "splits the routed experts over ranks, and adapters on them would be averaged across ranks that hold "
           "different experts",
           "set adapter.targets: attention+shared (or attention), or memory.expert_parallel: 1"),
+    _Rule("adapter.experts", (TRAIN,), lambda v, p: v != "none" and p.quant.format not in ("int4", "fp8"),
+          "adapts the routed experts orbitctl loads itself: quant.format int4 or fp8 (nf4/fp4 keep transformers' "
+          "fused bf16 experts)",
+          "set quant.format: int4 (or fp8), or adapter.experts: none"),
     _Rule("memory.offload_params", (TRAIN,), lambda v, p: v != "none",
           "is not built by train: its DeepSpeed config offloads the optimizer state only, never the parameters",
           f"set memory.offload_params: none for train; {_PLAN_MODELS_IT}"),

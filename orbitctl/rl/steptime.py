@@ -1,12 +1,16 @@
 """One training step timed, and this machine's matmul and memory rates: what `orbitctl plan --measure-time` measures.
 
-    python -m orbitctl.rl.steptime PROFILE.yaml RUN_DIR M K N     # prints one JSON line
+    python -m orbitctl.rl.steptime PROFILE.yaml RUN_DIR M K N [R [STEPS]]    # prints one JSON line
 
-Measures the matmul throughput of an [M, K] x [K, N] GEMM (the model's own update shape) in the
-profile's compute dtype and the memory bandwidth of a 256 MiB copy, each the best of five runs,
-then runs one step of ``train`` in RUN_DIR and reads the step's ``time_rollout_s`` and
-``time_update_s`` from metrics.jsonl. The planner runs this as a child process: it sits below
-the trainer and never imports it.
+Measures the matmul throughput of an [M, K] x [K, N] GEMM (the model's own update shape) and of
+the adapters' thin [M, K] x [K, R] one in the profile's compute dtype, the memory bandwidth of a
+256 MiB copy, the cost of one small eager op issued from a module and of one attention work item
+(one sequence and head of a tiny causal attention), each the best of several runs; then runs
+STEPS steps (default 1) of ``train`` in RUN_DIR and reads each step's ``time_rollout_s`` and
+``time_update_s`` from metrics.jsonl: the fastest of the steps after the first (which pays the
+warm-up), as each microbenchmark is the best of its runs, so that both time this core
+undisturbed. The planner runs this as a child process: it sits below the trainer and never
+imports it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,26 @@ def machine_rates(torch, dtype, shape: tuple[int, int, int]) -> tuple[float, flo
     return flops, bandwidth
 
 
+def overhead_rates(torch, dtype) -> tuple[float, float]:
+    """(seconds of one small eager op issued from an nn.Module: a [16, 64] linear, product and sum, per op;
+    seconds of one attention work item: a causal attention of 16 sequences x 4 heads x 16 tokens, per sequence-head)."""
+    weight = torch.randn(64, 64, dtype=dtype)
+
+    class Small(torch.nn.Module):
+        def forward(self, x):
+            y = torch.nn.functional.linear(x, weight)  # transpose + mm
+            return (y * x).add(x)
+
+    small, x = Small(), torch.randn(16, 64, dtype=dtype)
+    small(x)
+    op_s = _best_of(lambda: [small(x) for _ in range(20)], repeats=50) / 20 / 4  # many short tries: one undisturbed
+    q = torch.randn(16, 4, 16, 16, dtype=dtype)
+    attend = torch.nn.functional.scaled_dot_product_attention
+    attend(q, q, q, is_causal=True)
+    block_s = _best_of(lambda: [attend(q, q, q, is_causal=True) for _ in range(5)], repeats=50) / 5 / 64
+    return op_s, block_s
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -46,17 +70,29 @@ def main(argv: list[str] | None = None) -> int:
     from orbitctl.rl.api import train
     from orbitctl.rundir import RunDir
 
-    path, run_dir, *shape = argv if argv is not None else sys.argv[1:]
-    profile = load_profile(path, [f"run.dir={run_dir}", "rl.steps=1", "run.eval_every=1000000",
-                                  "run.save_every=1000000"])
+    path, run_dir, *rest = argv if argv is not None else sys.argv[1:]
+    shape = tuple(int(x) for x in rest[:3])
+    rank = int(rest[3]) if len(rest) > 3 else 0
+    steps = int(rest[4]) if len(rest) > 4 else 1
+    keep = [f"run.dir={run_dir}", "run.eval_every=1000000", "run.save_every=1000000"]
+    rl = load_profile(path, keep).rl
+    per = rl.ppo_epochs * rl.minibatches  # optimizer steps per rollout batch
+    profile = load_profile(path, [*keep, f"rl.steps={steps * per}"])
     dtype = torch_dtype(profile.quant.compute_dtype)
-    flops, bandwidth = machine_rates(torch, dtype, tuple(int(x) for x in shape))
-    train(profile, fresh=True, steps=1)
+    flops, bandwidth = machine_rates(torch, dtype, shape)
+    thin = machine_rates(torch, dtype, (shape[0], shape[1], rank))[0] if rank else 0.0
+    op_s, block_s = overhead_rates(torch, dtype)
+    train(profile, fresh=True, steps=steps * per)
     records = [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines() if line.strip()]
-    # one record per optimizer step: the rollout is timed on the first, every update on its own
-    print(json.dumps({"flops_per_s": flops, "bytes_per_s": bandwidth, "dtype": str(dtype).removeprefix("torch."),
-                      "rollout_s": float(records[0]["time_rollout_s"]),
-                      "policy_update_s": sum(float(r["time_update_s"]) for r in records)}))
+    # one record per optimizer step: a rollout's time is on its first, every update on its own
+    rollouts = [float(records[i]["time_rollout_s"]) for i in range(0, len(records), per)]
+    updates = [sum(float(r["time_update_s"]) for r in records[i:i + per]) for i in range(0, len(records), per)]
+    steady = slice(1, None) if len(rollouts) > 1 else slice(None)
+    print(json.dumps({"flops_per_s": flops, "bytes_per_s": bandwidth, "adapter_flops_per_s": thin,
+                      "op_s": op_s, "attention_block_s": block_s, "dtype": str(dtype).removeprefix("torch."),
+                      "threads": torch.get_num_threads(), "steps": len(rollouts),
+                      "rollout_s": min(rollouts[steady]), "policy_update_s": min(updates[steady]),
+                      "first_rollout_s": rollouts[0], "first_policy_update_s": updates[0]}))
     return 0
 
 

@@ -19,18 +19,6 @@ torch = pytest.importorskip("torch")
 WORLD = 2
 
 
-def _tiny_int4_moe(root: Path) -> Path:
-    from orbitctl.model.tiny import build_tiny_model
-    from orbitctl.quant.convert import quantize_checkpoint
-
-    src = build_tiny_model("deepseek_v3", root / "hf", n_routed_experts=8, num_experts_per_tok=2, num_hidden_layers=3,
-                           max_shard_size="60KB", dtype="float32")
-    out = root / "int4"
-    quantize_checkpoint(src, out, fmt="int4", group_size=32, modules="experts", skip=["lm_head"],
-                        compute_dtype="float32", max_shard_bytes=60_000)
-    return out
-
-
 def _batches(vocab: int) -> list:
     g = torch.Generator().manual_seed(7)
     return [torch.randint(0, vocab, (3, 12), generator=g) for _ in range(WORLD)]
@@ -56,6 +44,7 @@ def _step(model, ids):
 def _worker(rank: int, path: str, store: str, out: str) -> None:
     import torch.distributed as dist
 
+    from orbitctl.model.expert_lora import attach_expert_lora
     from orbitctl.model.expert_parallel import ExpertGroup, ExpertParallelExperts
     from orbitctl.model.frozen_base import load_frozen_base
 
@@ -77,17 +66,33 @@ def _worker(rank: int, path: str, store: str, out: str) -> None:
         grad_err = max(float((ep_grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)) for n, g in ref_grads.items())
         with torch.no_grad():  # the infer path: the same layer without autograd
             infer_err = float((split(input_ids=ids, use_cache=False).logits - ref_logits).abs().max())
+        # the routed experts' own adapters, shared-outer (factors shared by a layer's experts and factors per
+        # expert): a rank's gradients come from the tokens its experts received (zero for the experts it does
+        # not hold), so their sum over the ranks is what the whole model's gradients sum to
+        expert_grads = []
+        for model in (whole, split):
+            attach_expert_lora(model, "shared-outer", rank=2, alpha=4.0, dtype=torch.float32, seed=0)
+            g = torch.Generator().manual_seed(5)
+            with torch.no_grad():
+                for p in (p for n, p in model.named_parameters() if "expert_lora" in n):
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            _, grads = _step(model, ids)
+            for name in sorted(n for n in grads if "expert_lora" in n):
+                dist.all_reduce(grads[name])
+            expert_grads.append({n: g for n, g in grads.items() if "expert_lora" in n})
+        expert_err = max(float((expert_grads[1][n] - g).abs().max() / g.abs().max()) for n, g in expert_grads[0].items())
         Path(out, f"rank{rank}.json").write_text(json.dumps({
             "held": held, "ep_layers": ep_layers, "floor": floor, "logits_err": logits_err, "infer_err": infer_err,
-            "grad_rel_err": grad_err, "logit_absmax": float(ref_logits.abs().max()), "grads": len(ref_grads)}))
+            "grad_rel_err": grad_err, "logit_absmax": float(ref_logits.abs().max()), "grads": len(ref_grads),
+            "expert_grads": len(expert_grads[0]), "expert_grad_rel_err": expert_err}))
     finally:
         dist.destroy_process_group()
 
 
-def test_ep2_matches_the_whole_model_within_the_floor(tmp_path):
+def test_ep2_matches_the_whole_model_within_the_floor(tmp_path, int4_moe):
     import torch.multiprocessing as mp
 
-    path = _tiny_int4_moe(tmp_path)
+    path = int4_moe
     mp.start_processes(_worker, args=(str(path), str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD,
                        start_method="spawn")
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
@@ -101,6 +106,8 @@ def test_ep2_matches_the_whole_model_within_the_floor(tmp_path):
         assert r["infer_err"] <= tol, r
         # gradients: the same relative error as the logits', amplified by at most the backward's extra products
         assert r["grad_rel_err"] <= 16 * tol / r["logit_absmax"], r
+        assert r["expert_grads"] == 2 * 6  # 2 MoE layers x (A, B) of gate, up and down
+        assert r["expert_grad_rel_err"] <= 16 * tol / r["logit_absmax"], r
 
 
 def test_each_rank_reads_only_its_experts(tmp_path):

@@ -190,3 +190,27 @@ def test_json_document_has_the_documented_keys(kimi_b200):
         assert key in doc
     assert set(doc["phase_peak_bytes"]) == {"policy_update", "rollout", "adapter_sync"}
     assert doc["peak_bytes"] == sum(doc["per_gpu_bytes"].values())
+
+
+def test_cpu_ranks_plan_their_runtime_and_the_int4_workspace(make_profile, repo):
+    """A CPU rank: the runtime term in every phase, the INT4 dequantization workspace as the code allocates it
+    (int32 codes + fp32 values + the result, per element of the largest quantized matrix), no per-matmul transient.
+    A GPU rank of the same model keeps the fresh bf16 weight and no CPU terms."""
+    from orbitctl.plan.budget import CPU_RANK_RUNTIME, INT4_WORKSPACE_BYTES
+    from orbitctl.profile import load_profile
+
+    cpu = load_profile(repo / "profiles" / "tiny-moe-cpu.yaml")
+    plan = plan_profile(cpu, with_advice=False)
+    spec = builtin_arch("tiny-moe")
+    largest = base_storage(spec, cpu.quant).largest_dequant_bytes // 2
+    assert largest == max(w.numel // w.copies for layer in spec.layers for w in layer.weights if w.kind == "expert")
+    for phase in ("rollout", "policy_update", "adapter_sync"):
+        assert plan.phases[phase]["cpu_runtime"] == CPU_RANK_RUNTIME
+        assert plan.phases[phase]["dequant_workspace"] == largest * (INT4_WORKSPACE_BYTES + 2)  # bf16 result
+        assert plan.phases[phase].get("dequant_transient", 0) == 0
+    fp32 = plan_profile(apply_changes(cpu, {"quant.compute_dtype": "fp32"}), with_advice=False)
+    assert fp32.phases["rollout"]["dequant_workspace"] == largest * INT4_WORKSPACE_BYTES  # the values are the result
+    gpu = plan_profile(apply_changes(cpu, {"hardware.gpu": "h100"}), with_advice=False)
+    for phase in ("rollout", "policy_update"):
+        assert gpu.phases[phase]["cpu_runtime"] == gpu.phases[phase]["dequant_workspace"] == 0
+        assert gpu.phases[phase]["dequant_transient"] == 2 * largest

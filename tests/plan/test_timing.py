@@ -105,16 +105,23 @@ def test_efficiency_factors_are_overridable(repo):
     comm = communication(profile, inp.arch, inp.storage, layout, inp.adapters)
     base = step_time(profile, inp.arch, inp.storage, layout, comm)
     half = step_time(profile, inp.arch, inp.storage, layout, comm, eff=Efficiency(compute=0.25, hbm=0.4, link=0.35))
-    for name in ("rollout", "policy_update"):
-        assert half.phases[name].seconds == pytest.approx(2 * base.phases[name].seconds)
+    for name in ("rollout", "policy_update"):  # the per-op overhead is a count x a launch time, no efficiency factor
+        for term in ("compute_s", "memory_s", "comm_s"):
+            assert getattr(half.phases[name], term) == pytest.approx(2 * getattr(base.phases[name], term))
+        assert half.phases[name].overhead_s == pytest.approx(base.phases[name].overhead_s)
+        assert base.phases[name].overhead_s > 0
 
 
 def test_kimi_rollout_under_zero3_gathers_is_slower_than_under_expert_parallelism(repo):
     plan = plan_profile(_profile(repo, "kimi-k2_grpo_int4_8xh200"))
     rows = {row["layout"]: row for row in plan.layouts}
     ep, zero3 = rows["EP 8, dense replicated"], rows["EP 1, dense sharded"]
-    assert zero3["rollout_seconds"] > 5 * ep["rollout_seconds"]
-    assert zero3["bound"]["rollout"] == "interconnect" and ep["bound"]["rollout"] == "HBM"
+    assert zero3["rollout_seconds"] > 3 * ep["rollout_seconds"]
+    # eager decoding loops over the experts a batch hits per layer (45 of EP's 48, 105 of all 384): both rollouts are
+    # launch-bound (ops.py); the gathers add hours of interconnect on top
+    assert zero3["bound"]["rollout"] == ep["bound"]["rollout"] == "overhead"
+    gathers = _timing(_profile(repo, "kimi-k2_grpo_int4_8xh200", **zero3["change"]))
+    assert gathers.phases["rollout"].comm_s > 3600
     assert ep["fastest"] and sum(r["fastest"] for r in plan.layouts) == 1
 
 
@@ -163,7 +170,8 @@ def test_measure_time_times_one_real_step_of_tiny_cpu(repo):
     assert set(rows) == {"rollout", "policy_update"}
     assert all(row["measured_s"] > 0 and row["predicted_s"] > 0 for row in rows.values())
     assert m.flops_per_s > 0 and m.bytes_per_s > 0
-    assert set(m.to_dict()) == {"flops_per_s", "bytes_per_s", "rows", "predicted", "notes"}
+    assert set(m.to_dict()) == {"flops_per_s", "bytes_per_s", "rates", "rows", "predicted", "notes"}
+    assert m.rates["op_s"] > 0 and m.rates["attention_block_s"] > 0 and m.rates["threads"] == 1
 
 
 def test_sweep_rows_carry_the_predicted_time(repo):

@@ -1,0 +1,154 @@
+"""Operators one eager forward issues, counted from the architecture: the per-op overhead term of the time model.
+
+Eager PyTorch issues one operator (a CPU kernel call, or one CUDA kernel launch) per tensor op,
+whatever its size. On a 1 T-parameter GPU model the ops are wide and their count does not
+matter; on a hidden-64 CPU model they are a few hundred elements each and the count *is* the
+time. The counts below are the ops orbitctl's own modules issue (transformers' decoder layers,
+PEFT's LoRA, bitsandbytes' and ``QuantLinear``'s dequantization, ``QuantExperts``' loop over
+the experts a batch hits), read from the code paths; docs/plan.md ("Per-op overhead") gives
+them with the check against a TorchDispatchMode count of the tiny profiles. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orbitctl.arch.spec import EXPERT, ROUTER, ArchSpec
+from orbitctl.plan.storage import is_quantized
+
+OPS_NORM = 8
+"""RMSNorm: cast to fp32, pow, mean, add eps, rsqrt, mul, cast back, mul by the weight."""
+OPS_LINEAR = 3
+"""F.linear of a 3-D input: transpose, mm, view."""
+OPS_DEQUANT = {"nf4": 6, "fp4": 6, "int4": 12, "fp8": 5, "none": 0}
+"""Extra ops of a quantized linear: bitsandbytes' blockwise + 4-bit dequantization (with double-quant absmax);
+QuantLinear's INT4 unpack (shift, mask, offset, cast, scale per group, reshape); FP8 cast and block scale."""
+OPS_LORA = 10
+"""PEFT LoRA on one linear: dropout (identity), two linears, scaling, add, input cast."""
+OPS_ATTENTION = {"gqa": 30, "mla": 40}
+"""Between the projections: views and transposes, RoPE on q and k, the KV-cache concatenation, repeat_kv, the
+attention kernel, the output reshape (MLA: the latent split, the rope/nope split and concatenation)."""
+OPS_MLP = 2
+"""SwiGLU: the activation and the product."""
+OPS_RESIDUAL = 2
+OPS_ROUTER = 14
+"""Router in fp32: cast, gate linear, sigmoid/softmax, bias, top-k, gather, normalise, scale; the one-hot hit mask."""
+OPS_EXPERT = 8
+"""One hit expert in QuantExperts' loop, besides its three linears: where, index, weight index, product, cast,
+index_add."""
+OPS_MODEL = 30
+"""Once per forward: embedding, positions, the attention mask, the final norm, the lm_head's cast and views."""
+OPS_SAMPLE = 15
+"""Once per decoded step: temperature, softmax, draw, log-prob gather, appending the token."""
+OPS_LOSS = 150
+"""Once per micro-batch: log-softmax, gathers, ratio, clip, IS correction, align KL, the statistics."""
+OPS_OPTIMIZER = 12
+"""Per trainable tensor per optimizer step: gradient norm, clip, AdamW's moments, update."""
+OPS_BOTTLENECK = 2 * OPS_LINEAR + 2
+"""The bottleneck adapter after a layer's MLP: down and up linears, relu, the residual add."""
+BACKWARD_OPS = 2.0
+"""Backward ops per forward op: autograd's node for each op computes one or two gradient ops, plus the accumulation."""
+
+
+@dataclass(frozen=True)
+class OpCounts:
+    """Ops of one forward, split into what every token passes and what each hit routed expert adds."""
+
+    dense: float
+    """Ops of the layers' dense part and the model's once-per-forward ops."""
+    per_expert: float
+    """Ops one hit routed expert of one MoE layer adds (its three projections and the loop's bookkeeping)."""
+    trainable_tensors: int
+    """Trainable tensors the optimizer steps (LoRA: A and B of each adapted module, bottleneck: four per layer)."""
+
+    def forward(self, experts_hit: float) -> float:
+        """Ops of one forward in which ``experts_hit`` routed experts run, summed over the MoE layers."""
+        return self.dense + self.per_expert * experts_hit
+
+
+def _linear_ops(weight, profile, adapted: bool) -> float:
+    quantized = is_quantized(weight, profile.quant)
+    return OPS_LINEAR + (OPS_DEQUANT[profile.quant.format] if quantized else 0) + (OPS_LORA if adapted else 0)
+
+
+def op_counts(profile, arch: ArchSpec, adapters=None) -> OpCounts:
+    """The ops of one forward of ``arch`` as ``profile`` stores and adapts it (``adapters``: an AdapterPlan)."""
+    adapted = adapters.adapted if adapters is not None else frozenset()
+    dense = float(OPS_MODEL + OPS_NORM)  # + the final norm
+    per_expert = 0.0
+    mla = arch.attention == "mla"
+    for layer in arch.layers:
+        dense += OPS_NORM * (2 + (2 if mla else 0)) + OPS_ATTENTION["mla" if mla else "gqa"] + OPS_RESIDUAL
+        dense += OPS_MLP if not layer.moe else OPS_ROUTER + (OPS_MLP if arch.shared_intermediate_size else 0)
+        for w in layer.weights:
+            if not w.linear:
+                continue
+            ops = _linear_ops(w, profile, (layer.index, w.name) in adapted)
+            if w.kind == EXPERT:
+                per_expert += ops  # one projection of one expert; summed over the MoE layers
+            elif w.kind != ROUTER:
+                dense += ops
+    if arch.is_moe:  # per hit expert of one MoE layer (+ adapter.experts' LoRA on its three projections)
+        per_expert = per_expert / max(arch.moe_layers, 1) + OPS_EXPERT + OPS_MLP
+        if getattr(adapters, "expert_layout", "none") != "none":
+            per_expert += 3 * OPS_LORA
+    if arch.lm_head is not None:
+        dense += OPS_LINEAR
+    if adapters is not None and adapters.kind == "bottleneck":
+        dense += OPS_BOTTLENECK * arch.num_layers
+    if adapters is None:
+        tensors = 0
+    elif adapters.kind == "bottleneck":
+        tensors = 4 * arch.num_layers
+    else:
+        tensors = 2 * len(adapted)
+    return OpCounts(dense=dense, per_expert=per_expert, trainable_tensors=tensors)
+
+
+def attention_blocks(arch: ArchSpec, sequences: float) -> float:
+    """Work items of one attention call on the CPU: one per (sequence, head) (ATen's CPU flash kernel loops over
+    them one block at a time), summed over the layers. A GPU kernel is one launch whatever the batch."""
+    return arch.num_layers * arch.num_heads * sequences
+
+
+def activation_bytes_per_token(profile, arch: ArchSpec, adapters=None) -> float:
+    """Bytes the elementwise ops of one forward read and write per token, every layer: each op reads its input
+    and writes its output once (2 passes of its width). RMSNorm works in fp32; the rest in the compute dtype."""
+    c = 4 if profile.quant.compute_dtype == "fp32" else 2
+    h = arch.hidden_size
+    adapted = adapters.adapted if adapters is not None else frozenset()
+    if arch.attention == "mla":
+        q = arch.num_heads * (arch.qk_nope_head_dim + arch.qk_rope_head_dim)
+        k = arch.num_heads * (arch.qk_nope_head_dim + arch.qk_rope_head_dim)
+    else:
+        q, k = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    total = 0.0
+    for layer in arch.layers:
+        width = arch.moe_intermediate_size * arch.experts_per_token + arch.shared_intermediate_size \
+            if layer.moe else arch.intermediate_size
+        per = 2 * OPS_NORM * h * 4 * 2          # two norms in fp32, read + write
+        per += 7 * (q + k) * c * 2              # RoPE on q and k: two products, rotate (slice, neg, cat), sum
+        per += OPS_RESIDUAL * h * c * 3         # residual adds: two reads, one write
+        per += 2 * width * c * 3                # activation and product of the MLP
+        lora = sum(1 for w in layer.weights if w.linear and (layer.index, w.name) in adapted)
+        per += lora * 2 * h * c * 3             # LoRA's scale and add on each adapted output
+        total += per
+    return total
+
+
+def adapter_active_params(arch: ArchSpec, adapters=None) -> float:
+    """Adapter parameters one token passes through: LoRA's r (d_in + d_out) of each adapted module (k/E of a routed
+    expert's), the bottleneck's whole; their matmuls are 2 FLOPs per parameter per token, like the base's."""
+    if adapters is None:
+        return 0.0
+    if adapters.kind == "bottleneck":
+        return float(adapters.trainable_params)
+    total = 0.0
+    for index, w in arch.linear_weights():
+        if (index, w.name) in adapters.adapted:
+            out_f, in_f = w.shape
+            share = arch.experts_per_token / arch.num_experts if w.kind == EXPERT and arch.num_experts else 1.0
+            total += adapters.rank * (in_f + out_f) * w.copies * share
+    if arch.num_experts:  # adapter.experts: the routed experts' own adapters, k of E per token (an upper bound
+        total += getattr(adapters, "expert_params", 0) * arch.experts_per_token / arch.num_experts  # when shared)
+    return total

@@ -1,0 +1,141 @@
+"""The CPU overhead terms, the price per GPU-hour, `plan --compare` and the sweep's time columns."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from orbitctl.cli.app import main
+from orbitctl.plan import apply_changes, compare_profile, plan_profile, plan_sweep
+from orbitctl.plan.ops import op_counts
+from orbitctl.plan.timing import KERNEL_LAUNCH_S, Peaks
+from orbitctl.profile import load_profile
+
+
+def _profile(repo, name, **change):
+    profile = load_profile(str(repo / "profiles" / f"{name}.yaml"))
+    return apply_changes(profile, change) if change else profile
+
+
+def _measured_step(profile, peaks):
+    from orbitctl.plan.measure_time import _predict
+
+    return _predict(profile, peaks)
+
+
+@pytest.mark.parametrize("name,change", [("tiny-cpu", {}),
+                                         ("tiny-moe-cpu", {"hardware.gpus_per_node": 1, "memory.expert_parallel": 1})])
+def test_cpu_prediction_terms_are_non_negative_and_add_up(repo, name, change):
+    """The CPU rule: compute + memory + overhead + comm (one op after another); overhead = ops x op_s + items x
+    block_s."""
+    peaks = Peaks(flops=2e11, hbm=2e10, link=2e10, nic=2e10, op_s=6e-6, synchronous=True, block_s=2e-6,
+                  adapter_flops=5e10)
+    step = _measured_step(_profile(repo, name, **change), peaks)
+    for phase in (step.phases["policy_update"], *step.phases["rollout"].parts.values()):
+        for term in (phase.compute_s, phase.memory_s, phase.comm_s, phase.overhead_s, phase.ops, phase.items):
+            assert term >= 0
+        assert phase.overhead_s == pytest.approx(phase.ops * 6e-6 + phase.items * 2e-6)
+        assert phase.seconds == pytest.approx(phase.compute_s + phase.memory_s + phase.overhead_s + phase.comm_s)
+        assert phase.ops > 0 and phase.overhead_s > 0
+    rollout = step.phases["rollout"]
+    assert rollout.seconds == pytest.approx(sum(p.seconds for p in rollout.parts.values()))
+    assert step.seconds == pytest.approx(sum(p.seconds for p in step.phases.values()))
+
+
+def test_gpu_launch_overhead_overlaps_the_kernels(repo):
+    timing = plan_profile(_profile(repo, "llama-3.1-8b_grpo_qlora-nf4_1x24g"), with_advice=False).timing
+    for phase in (timing.phases["policy_update"], *timing.phases["rollout"].parts.values()):
+        assert not phase.synchronous
+        assert phase.overhead_s == pytest.approx(phase.ops * KERNEL_LAUNCH_S)  # attention: one launch, no items
+        assert phase.seconds == pytest.approx(max(phase.compute_s, phase.memory_s, phase.overhead_s) + phase.comm_s)
+
+
+def test_op_counts_grow_with_quantization_adapters_and_experts(repo):
+    from orbitctl.plan import _arch
+    from orbitctl.plan.adapters import plan_adapters
+
+    plain = _profile(repo, "tiny-moe-cpu", **{"quant.format": "none"})
+    quantized = _profile(repo, "tiny-moe-cpu")
+    arch = _arch(quantized)
+    bare = op_counts(plain, arch)
+    counts = op_counts(quantized, arch, plan_adapters(arch, quantized.adapter))
+    assert counts.per_expert > bare.per_expert > 0  # INT4 experts dequantize on every use
+    assert counts.dense > bare.dense  # LoRA on attention and the shared expert
+    assert counts.forward(8) - counts.forward(0) == pytest.approx(8 * counts.per_expert)
+    assert counts.trainable_tensors > 0 and bare.trainable_tensors == 0
+
+
+def test_price_gives_cost_per_step_and_run(repo):
+    profile = _profile(repo, "kimi-k2_grpo_int4_8xh200", **{"hardware.price_per_gpu_hour": 2.5})
+    timing = plan_profile(profile, with_advice=False).timing
+    assert timing.gpu_hours == pytest.approx(timing.seconds * 8 / 3600)
+    assert timing.steps == profile.rl.steps  # one optimizer step per rollout batch
+    assert timing.cost_per_step == pytest.approx(2.5 * timing.gpu_hours)
+    assert timing.cost_per_run == pytest.approx(timing.cost_per_step * timing.steps)
+    doc = timing.to_dict()
+    assert doc["cost_per_run"] == pytest.approx(timing.cost_per_run) and doc["run_gpu_hours"] > doc["gpu_hours"]
+    unpriced = plan_profile(_profile(repo, "kimi-k2_grpo_int4_8xh200"), with_advice=False).timing
+    assert unpriced.cost_per_step is None and unpriced.to_dict()["cost_per_run"] is None
+
+
+def test_price_is_validated(repo, capsys):
+    path = str(repo / "profiles" / "tiny-cpu.yaml")
+    assert main(["plan", path, "--set", "hardware.price_per_gpu_hour=-1"]) == 2
+    assert "price_per_gpu_hour" in capsys.readouterr().err
+    assert main(["plan", path, "--set", "hardware.price_per_gpu_hour=1.2"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU-hours:" in out and "per run" in out and "$" in out
+
+
+def test_compare_ranks_layouts_engines_and_nodes(repo):
+    doc = compare_profile(_profile(repo, "kimi-k2_grpo_int4_8xh200"), ["all"])
+    assert doc["axes"] == ["layout", "engine", "nodes"]
+    by_axis: dict[str, list[dict]] = {}
+    for row in doc["rows"]:
+        by_axis.setdefault(row["axis"], []).append(row)
+    for rows in by_axis.values():
+        assert [r["rank"] for r in rows] == list(range(1, len(rows) + 1))
+        assert [r["seconds"] for r in rows] == sorted(r["seconds"] for r in rows)
+        assert sum(r["current"] for r in rows) == 1
+        own = next(r for r in rows if r["current"])
+        assert own["change"] == {} and own["vs_current"] == pytest.approx(1)
+    layout = {r["option"]: r for r in by_axis["layout"]}
+    assert layout["ZeRO-3 gathers, EP 1"]["seconds"] > 3 * layout["EP 8, replicated"]["seconds"]
+    nodes = {r["option"]: r for r in by_axis["nodes"]}
+    assert nodes["2 nodes"]["world"] == 16 and nodes["2 nodes"]["seconds"] < nodes["1 node"]["seconds"]
+    engine = {r["option"]: r for r in by_axis["engine"]}
+    assert engine["separate"]["phase_seconds"]["adapter_sync"] > 0
+    assert engine["shared engine"]["phase_seconds"]["adapter_sync"] == 0
+    assert any("separate engine" in n for n in doc["notes"])
+
+
+def test_compare_refuses_axes_that_do_not_apply(repo, capsys):
+    dense = str(repo / "profiles" / "llama-3.1-8b_grpo_qlora-nf4_1x24g.yaml")
+    assert main(["plan", dense, "--compare", "layout,nodes"]) == 2
+    err = capsys.readouterr().err
+    assert "layout does not apply" in err and "nodes does not apply" in err and "Traceback" not in err
+    assert main(["plan", dense, "--compare", "speed"]) == 2
+    assert main(["plan", dense, "--compare", "all", "--sweep", "memory.seq_len=1024,2048"]) == 2
+    assert "--sweep" in capsys.readouterr().err
+    assert main(["plan", dense, "--compare", "all", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)["comparison"]
+    assert doc["axes"] == ["engine"] and any("layout: not compared" in n for n in doc["notes"])
+
+
+def test_compare_table(repo, capsys):
+    assert main(["plan", str(repo / "profiles" / "kimi-k2_grpo_int4_8xb200.yaml"), "--compare", "nodes"]) == 0
+    out = capsys.readouterr().out
+    assert "--compare" in out and "2 nodes" in out and "1 node*" in out
+
+
+def test_sweep_rows_carry_gpu_hours_and_cost(repo, capsys):
+    profile = _profile(repo, "kimi-k2_grpo_int4_8xh200", **{"hardware.price_per_gpu_hour": 3.0})
+    rows = plan_sweep(profile, [("memory.micro_batch_size", [2, 4])])
+    for row in rows:
+        assert row["gpu_hours"] == pytest.approx(row["step_seconds"] * 8 / 3600)
+        assert row["cost_per_step"] == pytest.approx(3.0 * row["gpu_hours"])
+    assert main(["plan", str(repo / "profiles" / "kimi-k2_grpo_int4_8xh200.yaml"), "--sweep",
+                 "memory.micro_batch_size=2,4"]) == 0
+    out = capsys.readouterr().out
+    assert "step" in out and "GPU-h" in out
