@@ -6,9 +6,8 @@
 Each run is `orbitctl train profiles/tiny-moe-cpu.yaml` with one change: ``attention`` adapts the
 attention projections only; ``attention+shared`` is the profile as shipped (attention, the dense
 layer and the shared expert); ``shared`` / ``shared-outer`` / ``per-expert`` add the routed experts'
-own adapters (``adapter.experts``) to attention. The sampling draws are keyed by sequence, so a
-run on 1 rank and on 2 ranks sees the same tokens: runs whose layout needs one rank
-(per-expert and shared-outer keep factors per expert) run there, the others on the profile's 2.
+own adapters (``adapter.experts``) to attention. Every run uses the profile's 2 CPU ranks with
+expert parallelism 2 and the same seed, so all start from the same base, prompts and draws.
 Printed: held-out greedy accuracy before and after, trainable parameters, wall time.
 """
 
@@ -27,10 +26,8 @@ RUNS = {
     "attention": {"adapter.targets": "attention"},
     "attention+shared": {},
     "shared": {"adapter.targets": "attention", "adapter.experts": "shared"},
-    "shared-outer": {"adapter.targets": "attention", "adapter.experts": "shared-outer",
-                     "hardware.gpus_per_node": 1, "memory.expert_parallel": 1},
-    "per-expert": {"adapter.targets": "attention", "adapter.experts": "per-expert",
-                   "hardware.gpus_per_node": 1, "memory.expert_parallel": 1},
+    "shared-outer": {"adapter.targets": "attention", "adapter.experts": "shared-outer"},
+    "per-expert": {"adapter.targets": "attention", "adapter.experts": "per-expert"},
 }
 
 

@@ -66,6 +66,14 @@ def _int4_experts(hidden: int, width: int, experts: int, group: int = 32):
     return module
 
 
+def _unhooked(expert):
+    """An expert whose projections run their own ``forward`` (the same code) without ``Module.__call__``:
+    MemTracker re-reads every module it has seen run on every op, which is quadratic in 1,152 projections."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{name: getattr(expert, name).forward for name in ("gate_proj", "up_proj", "down_proj")})
+
+
 def _static_int4_forward(module, x, top_k: int):
     """QuantExperts.forward with the routing fixed in advance: expert e gets the next slots[e] (token, k) slots."""
     import torch
@@ -81,7 +89,7 @@ def _static_int4_forward(module, x, top_k: int):
     start = 0
     for e, n in enumerate(counts):
         rows = token_of[start:start + n]
-        h = expert_forward(module.expert(e), module.act_fn, x[rows], lora, e) * weights[start:start + n]
+        h = expert_forward(_unhooked(module.expert(e)), module.act_fn, x[rows], lora, e) * weights[start:start + n]
         final.index_add_(0, rows, h.to(final.dtype))
         start += n
     return final
