@@ -118,6 +118,7 @@ def _fused_experts(hidden: int, width: int, experts: int, top_k: int, rank: int 
         torch.set_default_dtype(torch.bfloat16)
         try:
             layer = Layer()
+            layer.requires_grad_(False)  # a frozen base, as under PEFT
             if rank is not None:
                 from peft import LoraConfig, get_peft_model
 
