@@ -96,6 +96,26 @@ def adapter_dim(rank, hidden_size: int) -> int:
     return max(1, hidden_size // 10) if rank == "auto" else int(rank)
 
 
+@contextmanager
+def _targets_as_resolved():
+    """PEFT as told: no rewriting of targets that orbitctl resolved against this very model.
+
+    For model types whose MoE layout changed in transformers 5 (DeepSeek-V3, Kimi-K2, Qwen3-MoE ...),
+    PEFT turns every target ending in gate_proj/up_proj/down_proj into the fused experts' parameters,
+    which drops the dense layers' MLPs and the shared experts the targets name (they are separate
+    linear modules) and adapts nothing in their place. The targets here are full module names of the
+    live model, so there is nothing to convert.
+    """
+    from peft.utils import transformers_weight_conversion as conversion
+
+    original = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = original
+
+
 def attach_lora(model, section, hidden_size: int, *, seed: int):
     """Wrap the base in a PeftModel with LoRA weights in ``section.dtype`` on the resolved targets."""
     import torch
@@ -111,7 +131,14 @@ def attach_lora(model, section, hidden_size: int, *, seed: int):
     # INT4/FP8 layers are our own modules: PEFT wraps them through its custom-module hook
     config._register_custom_module({QuantLinear: _quant_lora_layer()})
     torch.manual_seed(seed)  # LoRA A init draws from the global generator
-    peft_model = get_peft_model(model, config, autocast_adapter_dtype=False)
+    with _targets_as_resolved():
+        peft_model = get_peft_model(model, config, autocast_adapter_dtype=False)
+    adapted = {n.removeprefix("base_model.model.") for n, m in peft_model.named_modules() if hasattr(m, "lora_A")}
+    if set(modules) - adapted:
+        missing = sorted(set(modules) - adapted)
+        raise UserError(f"adapter.targets: PEFT attached no LoRA to {len(missing)} of the resolved modules "
+                        f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})",
+                        fix="name the modules explicitly, or report the model type")
     dtype = torch_dtype(section.dtype, next(model.parameters()).device)
     for name, param in peft_model.named_parameters():
         if "lora_" in name:
@@ -142,7 +169,8 @@ def load_lora(model, directory: str | Path, dtype: str = "bf16"):
         config.target_modules = [t for t in config.target_modules if not _ROUTED_EXPERT.search(t)]
         config.rank_pattern, config.alpha_pattern = {}, {}
     config._register_custom_module({QuantLinear: _quant_lora_layer()})
-    peft_model = PeftModel.from_pretrained(model, str(directory), config=config, autocast_adapter_dtype=False)
+    with _targets_as_resolved():
+        peft_model = PeftModel.from_pretrained(model, str(directory), config=config, autocast_adapter_dtype=False)
     target = torch_dtype(dtype, next(model.parameters()).device)
     for name, param in peft_model.named_parameters():
         if "lora_" in name:

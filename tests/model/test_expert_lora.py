@@ -167,3 +167,19 @@ def test_counts_match_the_issue_for_kimi_k2():
     assert round(counts["per-expert"] / 1e9, 1) == 20.4
     assert round(counts["shared-outer"] / 1e9, 1) == 4.6
     assert round(counts["shared"] / 1e6) == 53
+
+
+def test_attention_plus_shared_adapts_the_dense_and_shared_mlps(int4_moe):
+    """PEFT would rewrite gate/up/down_proj targets of DeepSeek-type models into fused-expert parameters and
+    leave the dense layer's MLP and the shared expert unadapted; orbitctl's resolved targets all get LoRA."""
+    from orbitctl.model.adapters import attach_lora, resolve_targets
+    from orbitctl.model.frozen_base import load_frozen_base
+    from orbitctl.profile.schema import AdapterSection
+
+    model = load_frozen_base(int4_moe, compute_dtype=torch.float32)
+    wanted = resolve_targets(model, "attention+shared")
+    assert any(".mlp.shared_experts." in n for n in wanted) and any(n.endswith("layers.0.mlp.down_proj") for n in wanted)
+    peft_model, report = attach_lora(model, AdapterSection(rank=4, targets="attention+shared", dtype="fp32"), 64, seed=0)
+    adapted = {n.removeprefix("base_model.model.") for n, m in peft_model.named_modules() if hasattr(m, "lora_A")}
+    assert set(wanted) <= adapted
+    assert report.trainable_params == sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
