@@ -133,13 +133,6 @@ class AdapterSection(Section):
     experts_rank: Union[int, Literal["auto"]] = "auto"
     """Rank of the routed-expert adapters; auto is adapter.rank."""
 
-    @field_validator("experts_rank")
-    @classmethod
-    def _experts_rank(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and value < 1:
-            raise ValueError("must be >= 1 or 'auto'")
-        return value
-
     @model_validator(mode="after")
     def _experts_fit_the_kind(self) -> "AdapterSection":
         if self.experts != "none" and self.kind != "lora":
@@ -148,9 +141,12 @@ class AdapterSection(Section):
         if self.experts != "none" and self.targets in ("attention+mlp", "all-linear"):
             raise ValueError(f"experts: {self.experts} gives the routed experts their own adapters, and targets: "
                              f"{self.targets} adapts them too (set adapter.targets: attention+shared)")
+        if self.experts == "none" and "experts_rank" in self.model_fields_set:
+            raise ValueError(f"experts_rank: {self.experts_rank} is the rank of the routed experts' adapters, and "
+                             "experts is none (set adapter.experts, or drop experts_rank)")
         return self
 
-    @field_validator("rank")
+    @field_validator("rank", "experts_rank")
     @classmethod
     def _rank(cls, value: int | str) -> int | str:
         if isinstance(value, int) and value < 1:

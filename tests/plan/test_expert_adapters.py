@@ -41,7 +41,8 @@ def test_expert_adapter_states_are_counted_like_every_adapter(make_profile):
     def states(layout):
         p = make_profile(model={"arch": "kimi-k2"}, hardware={"gpu": "b200", "gpus_per_node": 8},
                          memory={"zero_stage": 2, "expert_parallel": 8, "dense_layout": "replicated"},
-                         adapter={"rank": 64, "targets": "attention+shared", "experts": layout, "experts_rank": 8})
+                         adapter={"rank": 64, "targets": "attention+shared", "experts": layout,
+                                  **({"experts_rank": 8} if layout != "none" else {})})
         b = plan_profile(p, with_advice=False).per_gpu_bytes
         return b["adapter_weights"], b["optimizer_adam"]
 
@@ -92,3 +93,16 @@ def test_shipped_moe_profiles_adapt_the_experts_and_fit(make_profile):
     h200 = load_profile(REPO / "profiles" / "kimi-k2_grpo_int4_8xh200.yaml", ["adapter.experts=shared-outer"])
     plan = plan_profile(h200, with_advice=False)
     assert not plan.fits and plan.peak_bytes > plan.usable_bytes
+
+
+def test_expert_adapter_keys_that_would_do_nothing_are_refused():
+    from orbitctl.errors import ProfileError
+    from orbitctl.profile import load_profile
+
+    tiny = REPO / "profiles" / "tiny-moe-cpu.yaml"
+    for sets, words in [(["adapter.experts_rank=4"], "experts is none"),
+                        (["adapter.experts=shared", "adapter.kind=bottleneck"], "kind is bottleneck"),
+                        (["adapter.experts=shared", "adapter.targets=attention+mlp"], "adapts them too"),
+                        (["adapter.experts=shared", "adapter.experts_rank=0"], "must be >= 1")]:
+        with pytest.raises(ProfileError, match=words):
+            load_profile(tiny, sets)
