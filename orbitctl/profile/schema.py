@@ -141,7 +141,7 @@ class AdapterSection(Section):
         if self.experts != "none" and self.targets in ("attention+mlp", "all-linear"):
             raise ValueError(f"experts: {self.experts} gives the routed experts their own adapters, and targets: "
                              f"{self.targets} adapts them too (set adapter.targets: attention+shared)")
-        if self.experts == "none" and "experts_rank" in self.model_fields_set:
+        if self.experts == "none" and self.experts_rank != "auto":
             raise ValueError(f"experts_rank: {self.experts_rank} is the rank of the routed experts' adapters, and "
                              "experts is none (set adapter.experts, or drop experts_rank)")
         return self
