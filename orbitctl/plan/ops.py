@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from orbitctl.arch.spec import EXPERT, ROUTER, ArchSpec
 from orbitctl.plan.storage import is_quantized
+from orbitctl.profile.gpus import resolve_gpu
 
 OPS_NORM = 8
 """RMSNorm: cast to fp32, pow, mean, add eps, rsqrt, mul, cast back, mul by the weight."""
@@ -36,6 +37,8 @@ OPS_ROUTER = 14
 OPS_EXPERT = 8
 """One hit expert in QuantExperts' loop, besides its three linears: where, index, weight index, product, cast,
 index_add."""
+OPS_CPU_ROWS = 2
+"""On the CPU, one hit expert's rows padded to the matmul row grid and the padding sliced off (expert_lora.cpu_rows)."""
 OPS_MODEL = 30
 """Once per forward: embedding, positions, the attention mask, the final norm, the lm_head's cast and views."""
 OPS_SAMPLE = 15
@@ -90,6 +93,8 @@ def op_counts(profile, arch: ArchSpec, adapters=None) -> OpCounts:
                 dense += ops
     if arch.is_moe:  # per hit expert of one MoE layer (+ adapter.experts' LoRA on its three projections)
         per_expert = per_expert / max(arch.moe_layers, 1) + OPS_EXPERT + OPS_MLP
+        if resolve_gpu(profile.hardware.gpu).vendor == "cpu":
+            per_expert += OPS_CPU_ROWS
         if getattr(adapters, "expert_layout", "none") != "none":
             per_expert += 3 * OPS_LORA
     if arch.lm_head is not None:

@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from orbitctl.model.expert_lora import ExpertLoRA, attach_expert_lora, expert_layers  # noqa: E402
+from orbitctl.model.expert_lora import ExpertLoRA, attach_expert_lora, cpu_rows, expert_layers  # noqa: E402
 from orbitctl.plan.adapters import expert_adapter_params  # noqa: E402
 
 LAYOUTS = ("shared", "shared-outer", "per-expert")
@@ -62,8 +62,9 @@ def _inputs(hidden: int, experts: int, k: int = 2, tokens: int = 40):
     return x, index, weights
 
 
+@pytest.mark.parametrize("tokens", [40, 200])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_each_layout_equals_the_materialised_reference(int4_moe, layout):
+def test_each_layout_equals_the_materialised_reference(int4_moe, layout, tokens):
     model, module = _experts_module(int4_moe)
     attach_expert_lora(model, layout, rank=4, alpha=8.0, dtype=torch.float32, seed=0)
     lora = module.expert_lora
@@ -71,7 +72,9 @@ def test_each_layout_equals_the_materialised_reference(int4_moe, layout):
     hidden, width = first.in_features, first.out_features
     assert sum(p.numel() for p in lora.parameters()) == expert_adapter_params(layout, 8, hidden, width, 4)
     _randomise(lora, 1)
-    x, index, weights = _inputs(hidden, 8)
+    x, index, weights = _inputs(hidden, 8, tokens=tokens)
+    if tokens > 40:  # rows off the CPU matmul grid: padded with zeros, and the padding never reaches a gradient
+        assert any(cpu_rows(int((index == e).sum())) > int((index == e).sum()) for e in range(8))
 
     def run(fn):
         for p in lora.parameters():
@@ -98,6 +101,14 @@ def test_each_layout_equals_the_materialised_reference(int4_moe, layout):
     module.expert_lora = None
     base = module(x, index, weights)
     assert torch.equal(off, base) and not torch.allclose(base, got)
+
+
+def test_cpu_row_grid_bounds_the_padding_and_the_shapes():
+    grid = [cpu_rows(m) for m in range(1, 4097)]
+    assert grid[:16] == list(range(1, 17))  # small counts run as they are
+    assert all(m <= g <= m * 9 / 8 for m, g in zip(range(1, 4097), grid))  # at most 1/8 more rows
+    assert all(cpu_rows(g) == g for g in grid)  # a padded count is on the grid
+    assert len(set(grid)) == 16 + 8 * 8  # 8 row counts per octave from 16 to 4096: kernels repeat
 
 
 def test_b_at_zero_starts_at_the_base(int4_moe):
