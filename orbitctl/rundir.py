@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -226,3 +227,36 @@ class RunDir:
             return self.adapter
         latest = self.latest_checkpoint()
         return latest[1] / self.ADAPTER if latest else None
+
+
+RUN_DIR_FIX = "the run dir is runs/<profile name>, or the profile's run.dir"
+
+
+def read_metrics(run_dir) -> list[dict]:
+    """The run's per-step records, in step order; a torn last line is dropped."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise InputFileError(f"{run_dir}: no such run directory — fix: {RUN_DIR_FIX}")
+    path = RunDir(run_dir).metrics
+    if not path.is_file():
+        raise InputFileError(f"{path}: no {path.name} in the run directory — fix: {RUN_DIR_FIX}, "
+                             f"after at least one training step")
+    rows = list(jsonl_records(path))
+    records = []
+    for k, (number, _, record, error, _) in enumerate(rows):
+        if record is None:
+            if k == len(rows) - 1:
+                break  # a write cut short by a kill: the step is not complete
+            raise InputFileError(f"{path}:{number}: not JSON ({error}) — fix: remove the damaged line "
+                                 f"(train rewrites the file from its last checkpoint on resume)") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise InputFileError(f"{path}:{number}: not a step record (step) — fix: pass a run directory written "
+                                 f"by orbitctl train")
+        records.append(record)
+    return sorted(records, key=lambda r: r["step"])
+
+
+def metric_series(records: list[dict], name: str) -> list[tuple[int, float]]:
+    """``(step, value)`` of every record whose ``name`` is a finite number (nulls and NaN left out)."""
+    return [(r["step"], float(r[name])) for r in records
+            if isinstance(r.get(name), (int, float)) and not isinstance(r.get(name), bool) and math.isfinite(r[name])]

@@ -237,7 +237,8 @@ def verify_alignment(profile, *, adapter: str | None = None, prompts_file: str |
 
 
 def _from_run(report: AlignmentReport, run: str, alignment) -> None:
-    from orbitctl.align.trends import entropy_stability, mismatch_trends, read_metrics
+    from orbitctl.align.trends import entropy_stability, mismatch_trends
+    from orbitctl.rundir import read_metrics
 
     records = read_metrics(run)
     source = str(RunDir(run).metrics)

@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from orbitctl.align.trends import entropy_stability, mismatch_trends, read_metrics
+from orbitctl.align.trends import entropy_stability, mismatch_trends
+from orbitctl.rundir import read_metrics
 from orbitctl.errors import EXIT_BAD_INPUT, InputFileError, UserError
 
 
