@@ -1,8 +1,8 @@
 """`plan --measure-time`: time real RL steps of the profile on this machine, next to the time model.
 
 Measures this machine's matmul throughput (a GEMM of the model's own update shape, and the adapters' thin one, in the
-compute dtype), its memory bandwidth (a large tensor copy), the cost of one small eager op and of one CPU attention
-work item (microbenchmarks of a fixed tiny size), runs ``orbitctl train`` for ``STEPS`` steps in a temporary run
+compute dtype), its memory bandwidth (a large tensor copy), the cost of one eager op as a model's modules issue it
+and of one CPU attention work item (microbenchmarks of a fixed tiny size), runs ``orbitctl train`` for ``STEPS`` steps in a temporary run
 directory on one thread, and reads the steps' ``time_rollout_s`` and ``time_update_s`` from metrics.jsonl (the
 fastest of the steps after the first, as each microbenchmark is the best of its runs). The prediction is
 timing.py's at the measured rates with every efficiency factor 1 (the rates are already what this machine
@@ -114,7 +114,7 @@ def measure_time(profile) -> TimeMeasurement:
     notes = [f"one rank, {got['threads']} thread(s); measured now: {got['dtype']} matmul {gemm[0]}x{gemm[1]}x{gemm[2]} "
              f"(the update's widest) at {flops / 1e9:.1f} GFLOP/s, the adapters' x{rank} at "
              f"{got['adapter_flops_per_s'] / 1e9:.1f} GFLOP/s, memory copy at {bandwidth / 1e9:.1f} GB/s, "
-             f"{got['op_s'] * 1e6:.1f} us per small eager op, "
+             f"{got['op_s'] * 1e6:.1f} us per eager op (transformers' modules), "
              f"{got['attention_block_s'] * 1e6:.1f} us per attention item",
              f"measured: the fastest of steps 2-{got['steps']} (the first, with its warm-up: rollout "
              f"{got['first_rollout_s']:.3f} s, update {got['first_policy_update_s']:.3f} s); "

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from orbitctl.arch.spec import EXPERT, ROUTER, ArchSpec
 from orbitctl.plan.storage import is_quantized
-from orbitctl.profile.gpus import resolve_gpu
 
 OPS_NORM = 8
 """RMSNorm: cast to fp32, pow, mean, add eps, rsqrt, mul, cast back, mul by the weight."""
@@ -93,6 +92,8 @@ def op_counts(profile, arch: ArchSpec, adapters=None) -> OpCounts:
                 dense += ops
     if arch.is_moe:  # per hit expert of one MoE layer (+ adapter.experts' LoRA on its three projections)
         per_expert = per_expert / max(arch.moe_layers, 1) + OPS_EXPERT + OPS_MLP
+        from orbitctl.profile.gpus import resolve_gpu
+
         if resolve_gpu(profile.hardware.gpu).vendor == "cpu":
             per_expert += OPS_CPU_ROWS
         if getattr(adapters, "expert_layout", "none") != "none":

@@ -50,9 +50,10 @@ KERNEL_LAUNCH_S = 5e-6
 """Seconds per eager op on a GPU: one CUDA kernel launch plus PyTorch's dispatch, 4-10 us (NVIDIA: a launch costs
 about 5 us of host time; PyTorch eager overhead, "Making Deep Learning Go Brrrr", He 2022: ~10 us per op); the low
 end is taken. Asynchronous: it overlaps the kernels already queued."""
-CPU_OP_S = 6e-6
+CPU_OP_S = 7e-6
 """Seconds per eager op on the catalog's ``cpu`` entry when nothing is measured (``--measure-time`` measures it):
-the small-op microbenchmark of orbitctl.rl.steptime on a 2-core AVX512-BF16 EPYC, bf16, one thread (6.5 us)."""
+the op microbenchmark of orbitctl.rl.steptime (transformers' RMSNorm and MLP modules at hidden 64) on a 2-core
+AVX512-BF16 EPYC, bf16, one thread, cores otherwise idle (6.8-7.3 us)."""
 CPU_BLOCK_S = 4e-6
 """Seconds per attention work item (one sequence x head) of ATen's CPU attention kernel when nothing is measured:
 the same machine's microbenchmark (4.5 us in bf16, 2.0 us in fp32)."""

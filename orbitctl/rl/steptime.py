@@ -4,7 +4,7 @@
 
 Measures the matmul throughput of an [M, K] x [K, N] GEMM (the model's own update shape) and of
 the adapters' thin [M, K] x [K, R] one in the profile's compute dtype, the memory bandwidth of a
-256 MiB copy, the cost of one small eager op issued from a module and of one attention work item
+256 MiB copy, the cost of one eager op issued from transformers' modules and of one attention work item
 (one sequence and head of a tiny causal attention), each the best of several runs; then runs
 STEPS steps (default 1) of ``train`` in RUN_DIR and reads each step's ``time_rollout_s`` and
 ``time_update_s`` from metrics.jsonl: the fastest of the steps after the first (which pays the
@@ -42,19 +42,57 @@ def machine_rates(torch, dtype, shape: tuple[int, int, int]) -> tuple[float, flo
     return flops, bandwidth
 
 
-def overhead_rates(torch, dtype) -> tuple[float, float]:
-    """(seconds of one small eager op issued from an nn.Module: a [16, 64] linear, product and sum, per op;
-    seconds of one attention work item: a causal attention of 16 sequences x 4 heads x 16 tokens, per sequence-head)."""
-    weight = torch.randn(64, 64, dtype=dtype)
+OP_BLOCKS = 8
+"""Blocks of the op microbenchmark: each an RMSNorm, two projections and a SwiGLU MLP at hidden 64."""
 
-    class Small(torch.nn.Module):
+
+def _op_stack(torch, dtype):
+    """``OP_BLOCKS`` residual blocks built from transformers' own RMSNorm and MLP modules (the module classes a
+    decoder layer calls), hidden 64, MLP 128: the per-op cost of eager code as a model issues it (module calls,
+    their Python, a GEMM among elementwise ops), not of one op in a tight loop."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, hidden_act="silu")
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.mlp = LlamaRMSNorm(64), LlamaMLP(config)
+            self.q, self.o = torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False)
+
         def forward(self, x):
-            y = torch.nn.functional.linear(x, weight)  # transpose + mm
-            return (y * x).add(x)
+            x = x + self.o(self.q(self.norm(x)))
+            return x + self.mlp(self.norm(x))
 
-    small, x = Small(), torch.randn(16, 64, dtype=dtype)
-    small(x)
-    op_s = _best_of(lambda: [small(x) for _ in range(20)], repeats=50) / 20 / 4  # many short tries: one undisturbed
+    return torch.nn.Sequential(*[Block() for _ in range(OP_BLOCKS)]).to(dtype)
+
+
+def count_ops(torch, fn) -> int:
+    """Operators ``fn()`` dispatches (ATen ops below autograd, as the plan counts them)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.ops
+
+
+def overhead_rates(torch, dtype) -> tuple[float, float]:
+    """(seconds of one eager op issued from a model's modules: :func:`_op_stack` on 16 rows, its time over its
+    op count; seconds of one attention work item: a causal attention of 16 sequences x 4 heads x 16 tokens, per
+    sequence-head)."""
+    stack, x = _op_stack(torch, dtype), torch.randn(16, 64, dtype=dtype)
+    with torch.no_grad():
+        stack(x)
+        ops = count_ops(torch, lambda: stack(x))
+        op_s = _best_of(lambda: stack(x), repeats=50) / ops  # many short tries: one undisturbed
     q = torch.randn(16, 4, 16, 16, dtype=dtype)
     attend = torch.nn.functional.scaled_dot_product_attention
     attend(q, q, q, is_causal=True)
