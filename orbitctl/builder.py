@@ -120,20 +120,23 @@ def load_policy(profile, base: PreparedBase, device: str | None = None):
 
     device = device or policy_device(profile)
     experts = expert_group(profile)
-    model = load_frozen_base(str(base.quantized_dir), device=device,
-                             compute_dtype=torch_dtype(profile.quant.compute_dtype, device), experts=experts)
     tok_dir = base.quantized_dir if (base.quantized_dir / "tokenizer.json").exists() or base.source_dir is None else base.source_dir
     tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if profile.data.chat_template and not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"data.chat_template: the tokenizer in {tok_dir} has no chat template",
+                        fix="set data.chat_template: false, or use a model whose tokenizer_config.json has a chat_template")
+    model = load_frozen_base(str(base.quantized_dir), device=device,
+                             compute_dtype=torch_dtype(profile.quant.compute_dtype, device), experts=experts)
     hidden = int(model.config.hidden_size)
     attach = attach_lora if profile.adapter.kind == "lora" else attach_bottleneck
     model, report = attach(model, profile.adapter, hidden, seed=profile.run.seed)
     report = replace(report, dtypes=cpu_dtype.dtype_summary(profile, device))
     return Policy(model, tokenizer, report, hidden_size=hidden, adapter_kind=profile.adapter.kind,
                   gradient_checkpointing=profile.memory.gradient_checkpointing,
-                  lockstep=Lockstep() if experts is not None else None)
+                  lockstep=Lockstep() if experts is not None else None, chat_template=profile.data.chat_template)
 
 
 def expert_group(profile):

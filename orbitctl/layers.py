@@ -23,7 +23,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("quant",),
     ("data",),
     ("builder",),
-    ("rl", "align", "doctor"),
+    ("rl", "align", "doctor", "report"),
+    ("evals",),
     ("launch",),
     ("cli",),
 )

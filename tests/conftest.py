@@ -1,6 +1,38 @@
 """Fixtures every test directory shares."""
 
+import os
+from pathlib import Path
+
 import pytest
+import yaml
+
+DEMO = Path(__file__).resolve().parents[1] / "profiles" / "tiny-cpu.yaml"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def model_cache(tmp_path_factory):
+    """The demo base is built and quantized once per session into this directory (subprocesses inherit it)."""
+    cache = os.environ.get("ORBITCTL_TEST_CACHE") or str(tmp_path_factory.mktemp("orbitctl-cache"))
+    os.environ["ORBITCTL_CACHE"] = cache
+    return cache
+
+
+@pytest.fixture
+def write_demo_profile():
+    """``write_demo_profile(path, {dotted.key: value})``: the demo profile with those values, written to path."""
+
+    def write(path: Path, overrides: dict) -> Path:
+        data = yaml.safe_load(DEMO.read_text())
+        for key, value in overrides.items():
+            node = data
+            *parents, last = key.split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[last] = value
+        path.write_text(yaml.safe_dump(data))
+        return path
+
+    return write
 
 
 def _one_error_line(err: str, *needles: str) -> None:

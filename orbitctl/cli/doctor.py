@@ -1,7 +1,8 @@
-"""`orbitctl doctor`: what is wrong with this machine, and why did the run die.
+"""`orbitctl doctor`: what is wrong with this machine, why did the run die, why is training unstable.
 
     orbitctl doctor
     orbitctl doctor --log train.log --profile profiles/kimi-k2_grpo_int4_8xb200.yaml
+    orbitctl doctor --run runs/tiny-cpu
     orbitctl doctor --save-snapshot node7.json
     orbitctl doctor --snapshot node7.json --json
 """
@@ -18,6 +19,9 @@ from orbitctl.cli.common import JsonOption, SetOption, overrides
 
 def doctor(
     log: Optional[str] = typer.Option(None, "--log", "-l", metavar="FILE", help="A failed run's log to triage ('-' reads stdin)."),
+    run: Optional[str] = typer.Option(None, "--run", metavar="RUN_DIR",
+                                      help="A training run's directory: why training is unstable, from its metrics.jsonl "
+                                           "(judged against its profile.yaml, or --profile)."),
     profile: Optional[str] = typer.Option(None, "--profile", "-p", metavar="PROFILE",
                                           help="Check the profile's hardware against this machine and plan for its free memory."),
     set_: Optional[List[str]] = SetOption,
@@ -26,11 +30,11 @@ def doctor(
     expect_gpus: Optional[int] = typer.Option(None, "--expect-gpus", min=1, help="GPUs this node must have."),
     active: bool = typer.Option(False, "--active", help="Also run a live all-reduce and `dcgmi diag -r 1` (takes minutes)."),
     machine: Optional[bool] = typer.Option(None, "--machine/--no-machine",
-                                           help="Check the machine too (default: yes, unless --log is given without --snapshot, "
-                                                "--save-snapshot, --expect-gpus or --active)."),
+                                           help="Check the machine too (default: yes, unless --log or --run is given without "
+                                                "--snapshot, --save-snapshot, --expect-gpus or --active)."),
     json_out: bool = JsonOption,
 ) -> None:
-    """Diagnose the machine (driver, GPUs, ECC, PCIe, NVLink, NUMA, NCCL env) and a failed run's log.
+    """Diagnose the machine (driver, GPUs, ECC, PCIe, NVLink, NUMA, NCCL env), a failed run's log and an unstable run.
 
     Exit code 1 when any finding is FAIL, 2 for a missing or malformed input file.
 
@@ -42,12 +46,13 @@ def doctor(
 
         journalctl -u train --no-pager | orbitctl doctor --log - --json
 
-        orbitctl doctor --snapshot node7.json --expect-gpus 8
+        orbitctl doctor --run runs/tiny-cpu --json
     """
     from orbitctl.doctor import api
 
     report = api.diagnose(snapshot_path=snapshot, save_snapshot_path=save_snapshot, log=log, profile_path=profile,
-                          overrides=overrides(set_), expect_gpus=expect_gpus, active=active, machine=machine)
+                          overrides=overrides(set_), expect_gpus=expect_gpus, active=active, machine=machine,
+                          run_dir=run)
     if json_out:
         output.emit_json(report.to_dict())
     else:

@@ -88,6 +88,8 @@ class LiveView:
             output.info(f"base: {payload['base']}{' (built now)' if payload.get('built') else ' (cached)'}")
             if payload.get("quant"):
                 output.info(f"frozen base {payload['quant']}")
+            for key, fmt in (payload.get("data_formats") or {}).items():
+                output.info(f"{key}: read as {fmt}")
             for message in payload.get("warnings", []):
                 output.warn(message)
         elif kind == "resume":

@@ -23,6 +23,26 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 
+class ChatPrompt(str):
+    """The prompt of a chat record: its plain-text rendering, carrying the turns it was made from.
+
+    A ``str``, so everything that concatenates, logs or tokenizes prompts takes it as it is; the
+    policy reads :attr:`messages` when ``data.chat_template`` asks for the tokenizer's template.
+    """
+
+    messages: tuple[tuple[str, str], ...]
+    """The (role, content) turns, up to and including the last user turn."""
+
+    def __new__(cls, messages: list[tuple[str, str]]) -> "ChatPrompt":
+        text = "".join(f"{role}: {content}\n" for role, content in messages) + "assistant:"
+        prompt = super().__new__(cls, text)
+        prompt.messages = tuple(messages)
+        return prompt
+
+    def __reduce__(self):
+        return ChatPrompt, (list(self.messages),)
+
+
 @dataclass(frozen=True)
 class PromptItem:
     """One prompt and what its reward needs: a reference answer or unit tests."""
@@ -33,6 +53,8 @@ class PromptItem:
     entry_point: str | None = None
     source: str = ""
     """Where the item came from (file:line or builtin:NAME), for messages."""
+    task_id: str | None = None
+    """The dataset's own id of the item (HumanEval's ``task_id``), when it has one."""
 
 
 @dataclass(frozen=True)

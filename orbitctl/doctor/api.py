@@ -4,7 +4,7 @@
     report = api.diagnose(log="train.log", profile_path="profiles/x.yaml")
     report.root_cause, report.exit_code, report.by_area()
 
-``diagnose`` looks up ``take_snapshot``, ``read_log``, ``run_checks`` and ``triage_log`` in
+``diagnose`` looks up ``take_snapshot``, ``read_log``, ``run_checks``, ``triage_log`` and ``diagnose_run`` in
 this module when it runs, so a test that patches ``orbitctl.doctor.api.<name>`` reaches it.
 Nothing here imports torch; the probes and checks are imported when first used.
 """
@@ -15,11 +15,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from orbitctl.doctor.findings import Finding, Report
+from orbitctl.doctor.findings import FAIL, WARN, Finding, Report
 from orbitctl.doctor.snapshot import Snapshot, load_snapshot, save_snapshot
 from orbitctl.units import MiB
 
-__all__ = ["MAX_LOG_BYTES", "check_ids", "diagnose", "read_log", "run_checks", "take_snapshot", "triage_log"]
+__all__ = ["MAX_LOG_BYTES", "check_ids", "diagnose", "diagnose_run", "read_log", "run_checks", "take_snapshot",
+           "triage_log"]
 
 MAX_LOG_BYTES = 512 * MiB
 """read_log reads at most this much of a log: its start and its end when the file is larger."""
@@ -61,6 +62,13 @@ def triage_log(text: str, *, profile: Any = None):
     return _triage(text, profile=profile)
 
 
+def diagnose_run(run_dir: str, *, profile: Any = None) -> list[Finding]:
+    """Why a training run is unstable, from its metrics.jsonl: ranked findings, or one PASS when nothing is alarming."""
+    from orbitctl.doctor.run_health import diagnose_run as _diagnose
+
+    return _diagnose(run_dir, profile=profile)
+
+
 def read_log(path: str) -> str:
     """Read a log file (or stdin for '-') as text; undecodable bytes are replaced, never fatal."""
     from orbitctl.errors import InputFileError
@@ -87,11 +95,13 @@ def read_log(path: str) -> str:
 
 def diagnose(*, snapshot_path: str | None = None, save_snapshot_path: str | None = None, log: str | None = None,
              profile_path: str | None = None, overrides: list[str] | None = None, expect_gpus: int | None = None,
-             active: bool = False, machine: bool | None = None, gpu_probe: Any = None) -> Report:
-    """The whole `orbitctl doctor` run: machine checks, log triage, profile fit.
+             active: bool = False, machine: bool | None = None, gpu_probe: Any = None,
+             run_dir: str | None = None) -> Report:
+    """The whole `orbitctl doctor` run: machine checks, log triage, a training run's metrics, profile fit.
 
-    ``machine`` None = check the machine unless only a log was given (a log is often read
-    on another computer than the one it came from).
+    ``machine`` None = check the machine unless only a log or a run directory was given (both are
+    often read on another computer than the one they came from). ``run_dir`` is judged against its
+    own profile.yaml, or against ``profile_path`` (with ``overrides``) when one is given.
     """
     from orbitctl.doctor.registry import NO_GPU
     from orbitctl.errors import UserError
@@ -99,14 +109,15 @@ def diagnose(*, snapshot_path: str | None = None, save_snapshot_path: str | None
     if overrides and not profile_path:
         raise UserError("--set needs --profile", fix="orbitctl doctor --profile PROFILE --set KEY=VALUE")
     if machine is False:
-        if not log:
-            raise UserError("--no-machine without --log leaves nothing to check", fix="add --log FILE, or drop --no-machine")
+        if not log and not run_dir:
+            raise UserError("--no-machine without --log or --run leaves nothing to check",
+                            fix="add --log FILE or --run RUN_DIR, or drop --no-machine")
         machine_only = [flag for flag, given in (("--snapshot", snapshot_path), ("--save-snapshot", save_snapshot_path),
                                                  ("--expect-gpus", expect_gpus is not None), ("--active", active)) if given]
         if machine_only:
             raise UserError(f"--no-machine with {', '.join(machine_only)}: they check a machine",
                             fix="drop --no-machine, or drop " + ", ".join(machine_only))
-    if machine is None and log and (expect_gpus is not None or active):
+    if machine is None and (log or run_dir) and (expect_gpus is not None or active):
         machine = True  # both check the machine, so a log is not all there is to read
     profile = None
     if profile_path:
@@ -115,8 +126,9 @@ def diagnose(*, snapshot_path: str | None = None, save_snapshot_path: str | None
         profile = load_profile(profile_path, overrides or [])
     report = Report(log_source=log)
     log_text = read_log(log) if log else None
+    run_found = diagnose_run(run_dir, profile=profile) if run_dir is not None else None  # bad input fails before probing
     if machine is None:
-        machine = log is None or snapshot_path is not None or save_snapshot_path is not None
+        machine = (log is None and run_dir is None) or snapshot_path is not None or save_snapshot_path is not None
     if machine:
         if snapshot_path:
             snap = load_snapshot(snapshot_path)
@@ -139,4 +151,9 @@ def diagnose(*, snapshot_path: str | None = None, save_snapshot_path: str | None
         report.root_cause = triage.root_cause
         if triage.root_cause is None:
             report.notes.append(f"log: no known failure signature in {triage.lines} line(s)")
+    if run_found is not None:
+        report.findings = run_found + report.findings
+        alarming = [f.id for f in run_found if f.status in (FAIL, WARN)]
+        report.notes.append(f"training run {run_dir}: " + (f"first cause {alarming[0]} of {len(alarming)}" if alarming
+                                                            else "nothing alarming in its metrics"))
     return report

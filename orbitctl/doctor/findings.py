@@ -14,7 +14,7 @@ PASS, WARN, FAIL, SKIP, UNKNOWN, INFO = "PASS", "WARN", "FAIL", "SKIP", "UNKNOWN
 STATUSES = (FAIL, WARN, UNKNOWN, INFO, PASS, SKIP)
 SEVERITY = {s: i for i, s in enumerate(reversed(STATUSES))}  # higher is worse
 
-AREAS = ("log", "GPU", "topology", "NCCL", "memory", "host")
+AREAS = ("log", "training run", "GPU", "topology", "NCCL", "memory", "host")
 """Every area a finding can belong to, in the order a report shows them (the log's story first)."""
 BRIEF = (PASS, SKIP)
 """Statuses whose first evidence line says it all; the others show every line."""

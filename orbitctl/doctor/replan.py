@@ -1,4 +1,4 @@
-"""Run the memory planner for the memory this machine (or a failed run) really had.
+"""Run the memory planner for the memory this machine (or a failed run) really had, or for a proposed fix.
 
 The planner lives in orbitctl.plan: ``plan_profile(profile, gpu_memory_bytes=...)`` returns
 peak_bytes, usable_bytes, fits, max_micro_batch and advice (change, text, peak_bytes, fits).
@@ -45,6 +45,20 @@ def _gib(n: int | None) -> str:
 
 def format_change(change: dict[str, Any]) -> str:
     return ", ".join(set_values(change))
+
+
+def replan_change(profile: Any, change: dict[str, Any]) -> Replan:
+    """``profile`` with ``change`` applied (dotted keys), planned for its own GPUs: the verdict on a proposed fix.
+
+    Never raises: a change the profile refuses comes back with available=False and the reason."""
+    try:
+        from orbitctl.plan import apply_changes
+
+        changed = apply_changes(profile, change)
+    except Exception as exc:  # a refused change is part of the verdict, like the planner's own errors
+        return Replan(gpu_memory_bytes=profile.hardware.memory_bytes(), available=False,
+                      error=f"change refused: {getattr(exc, 'message', None) or exc}")
+    return replan(changed, changed.hardware.memory_bytes())
 
 
 def replan(profile: Any, gpu_memory_bytes: int) -> Replan:

@@ -58,10 +58,12 @@ class Policy:
     """Frozen base + adapters; ``model`` is a PeftModel (LoRA) or the base with bottleneck layers."""
 
     def __init__(self, model, tokenizer, report: AdapterReport, *, hidden_size: int, adapter_kind: str,
-                 gradient_checkpointing: bool = True, lockstep=None) -> None:
+                 gradient_checkpointing: bool = True, lockstep=None, chat_template: bool = False) -> None:
         from orbitctl.model.expert_parallel import SOLO
 
         self.model = model
+        self.chat_template = chat_template
+        """Render prompts with the tokenizer's chat template (``data.chat_template``)."""
         self.lockstep = lockstep or SOLO
         """Keeps expert-parallel ranks calling the model alike (:class:`~orbitctl.model.expert_parallel.Lockstep`)."""
         self.tokenizer = tokenizer
@@ -96,7 +98,16 @@ class Policy:
 
     # -- infer path ----------------------------------------------------------------------
     def encode_prompts(self, prompts: list[str]):
-        enc = self.tokenizer(prompts, return_tensors="pt", padding=True)
+        """Left-padded ids and mask of ``prompts``. With :attr:`chat_template` each goes through the tokenizer's
+        chat template first: a chat record's own turns (a prompt's ``messages``), else one user turn."""
+        if not self.chat_template:
+            enc = self.tokenizer(prompts, return_tensors="pt", padding=True)
+            return enc["input_ids"], enc["attention_mask"]
+        texts = [self.tokenizer.apply_chat_template(
+            [{"role": role, "content": content} for role, content in getattr(p, "messages", None) or (("user", p),)],
+            tokenize=False, add_generation_prompt=True) for p in prompts]
+        # the template writes the special tokens (BOS) itself
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         return enc["input_ids"], enc["attention_mask"]
 
     def sample(self, prompt_ids, prompt_mask, *, max_new_tokens: int, temperature: float, top_p: float,

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from orbitctl.arch.spec import ArchSpec
 from orbitctl.plan.activations import ActivationSettings, train_activations
 from orbitctl.plan.adapters import AdapterPlan, plan_adapters
-from orbitctl.plan.comm import (all_to_all_buffers, bytes_text, communication, compute_dtype_bytes, prompt_tokens,
-                                rollout_batch)
+from orbitctl.plan.comm import (all_to_all_buffers, bytes_text, communication, compute_dtype_bytes, decoded_tokens,
+                                prompt_tokens, rollout_batch)
 from orbitctl.plan.layout import Layout, gather_units, gather_window, host_base, layout_of, resident_base
 from orbitctl.plan.result import MemoryPlan
 from orbitctl.plan.states import model_states
@@ -71,7 +71,7 @@ def _kv_cache(profile, arch: ArchSpec, mb: int) -> tuple[float, int]:
         replication = tp  # one latent 'head': every TP rank keeps the whole latent
     else:
         replication = tp / min(tp, arch.num_kv_heads)
-    context = max(profile.memory.seq_len, ro.max_new_tokens)
+    context = max(profile.memory.seq_len, decoded_tokens(profile))
     return seqs * context * per_token * replication, seqs
 
 

@@ -77,14 +77,20 @@ def rollout_batch(profile, micro_batch: int) -> int:
     return profile.rollout.batch_size or micro_batch * profile.rl.group_size
 
 
+def decoded_tokens(profile) -> int:
+    """Tokens the policy decodes per rollout sequence: max_new_tokens per turn, rollout.max_turns turns (an
+    environment's replies between the turns are prefilled, counted with the prompt in seq_len)."""
+    return profile.rollout.max_new_tokens * profile.rollout.max_turns
+
+
 def prompt_tokens(profile) -> int:
     """Prompt tokens of one rollout sequence: what the completion leaves of seq_len (at least 1)."""
-    return max(1, profile.memory.seq_len - profile.rollout.max_new_tokens)
+    return max(1, profile.memory.seq_len - decoded_tokens(profile))
 
 
 def step_shape(profile, micro_batch: int | None = None) -> StepShape:
     """The step's counts; ``micro_batch`` overrides memory.micro_batch_size (and the rollout batch it implies)."""
-    mem, rl, ro = profile.memory, profile.rl, profile.rollout
+    mem, rl = profile.memory, profile.rl
     mb = micro_batch or mem.micro_batch_size
     sequences = math.ceil(rl.prompts_per_step * rl.group_size / profile.world_size)
     batch = rollout_batch(profile, mb)
@@ -93,8 +99,8 @@ def step_shape(profile, micro_batch: int | None = None) -> StepShape:
     old_logprobs = per_epoch if rl.ppo_epochs * rl.minibatches > 1 else 0
     reference = micro if rl.kl_ref_coef > 0 else 0
     return StepShape(
-        sequences=sequences, rollout_rounds=math.ceil(sequences / batch), rollout_forwards=1 + ro.max_new_tokens,
-        prefill_tokens=sequences * prompt_tokens(profile), decode_tokens=sequences * ro.max_new_tokens,
+        sequences=sequences, rollout_rounds=math.ceil(sequences / batch), rollout_forwards=1 + decoded_tokens(profile),
+        prefill_tokens=sequences * prompt_tokens(profile), decode_tokens=sequences * decoded_tokens(profile),
         micro_batches=micro, no_grad_passes=old_logprobs + reference, tokens_per_micro_batch=mb * mem.seq_len,
         optimizer_steps=rl.ppo_epochs * rl.minibatches, recompute=mem.gradient_checkpointing)
 

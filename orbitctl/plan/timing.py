@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from orbitctl.arch.spec import EXPERT, ArchSpec
-from orbitctl.plan.comm import Communication, prompt_tokens, rollout_batch
+from orbitctl.plan.comm import Communication, decoded_tokens, prompt_tokens, rollout_batch
 from orbitctl.plan.layout import Layout
 from orbitctl.plan.ops import (BACKWARD_OPS, OPS_LOSS, OPS_OPTIMIZER, OPS_SAMPLE, activation_bytes_per_token,
                                adapter_active_params, attention_blocks, op_counts)
@@ -309,9 +309,9 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
             / max(arch.num_experts, 1) * arch.moe_layers
         return counts.forward(hit)
 
-    # ---- rollout: per round one prefill of the prompts, then max_new_tokens decode steps
+    # ---- rollout: per round one prefill of the prompts, then max_new_tokens x max_turns decode steps
     batch = min(rollout_batch(profile, shape.tokens_per_micro_batch // profile.memory.seq_len), shape.sequences)
-    prompt, new = prompt_tokens(profile), ro.max_new_tokens
+    prompt, new = prompt_tokens(profile), decoded_tokens(profile)
     rounds = shape.rollout_rounds
     kv = kv_bytes_per_token(profile, arch)
     intra, inter = _split(profile, layout, terms["zero3_gather_rollout"], terms["all_to_all_rollout"])

@@ -296,19 +296,34 @@ class RolloutSection(Section):
     """Tensor-parallel size of a separate engine (MLA KV is replicated on every TP rank)."""
     engine_sleep: bool = True
     """A separate engine releases its weights and KV while the trainer updates (vLLM sleep mode)."""
+    max_turns: int = Field(1, ge=1, le=64)
+    """Actions per episode of a multi-turn rollout (data.train: env:NAME); 1 without an environment."""
 
 
 class DataSection(Section):
     train: str = "builtin:digit-sum"
-    """Training prompts: a JSONL file (prompt + answer, or prompt + tests) or builtin:NAME."""
+    """Training prompts: a data file (.jsonl, .jsonl.gz, .json, .parquet, .arrow or a save_to_disk directory),
+    builtin:NAME, or env:NAME (episodes of an environment, rollout.max_turns turns: env:guess, env:textworld)."""
     eval: str | None = None
-    """Held-out prompts; unset = a held-out split of train."""
+    """Held-out prompts (a data file or builtin:NAME); unset = a held-out split of train."""
+    format: Literal["auto", "prompt", "gsm8k", "math", "humaneval", "messages"] = "auto"
+    """Field layout of the data files; auto = detected from the first record's keys."""
+    chat_template: bool = False
+    """Apply the tokenizer's chat template to each prompt (a plain prompt becomes one user message)."""
     eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
     """Share of train held out for evaluation when eval is unset."""
     eval_size: int = Field(64, ge=1)
     """Held-out prompts scored per evaluation."""
     reward: str = "builtin"
     """Reward: math, code, builtin (the task's own) or python:module:function."""
+
+    @model_validator(mode="after")
+    def _format_needs_a_file(self) -> "DataSection":
+        files = [value for value in (self.train, self.eval) if value and not value.startswith(("builtin:", "env:"))]
+        if self.format != "auto" and not files:
+            raise ValueError(f"data.format: '{self.format}' applies to data files, and data.train/data.eval name "
+                             "builtin tasks or environments; remove data.format or set data.train to a data file")
+        return self
 
 
 class AlignmentSection(Section):

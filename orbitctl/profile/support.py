@@ -67,6 +67,13 @@ _RULES: tuple[_Rule, ...] = (
     _Rule("rollout.kv_dtype", (VERIFY_INTERNAL,), lambda v, p: v != "bf16",
           "is not built by the internal check: its infer path keeps the KV cache in quant.compute_dtype",
           "set rollout.kv_dtype: bf16, or compare an engine that stores fp8 KV with --rollouts FILE"),
+    _Rule("data.train", (VERIFY_INTERNAL,), lambda v, p: str(v).startswith("env:"),
+          "is an environment: the internal check compares the two paths on prompts, not on episodes",
+          "point data.eval (or data.train) at a prompt file for verify-alignment, or compare a run's metrics "
+          "with --run RUN_DIR"),
+    _Rule("rollout.max_turns", (VERIFY_INTERNAL,), lambda v, p: v != 1,
+          "plays episodes of several turns, and the internal check compares single completions",
+          "set rollout.max_turns: 1 for verify-alignment, or compare a run's metrics with --run RUN_DIR"),
     _Rule("memory.expert_parallel", (TRAIN,), lambda v, p: v != 1 and p.quant.format not in ("int4", "fp8"),
           "splits the routed experts over ranks only when orbitctl loads them: quant.format int4 or fp8 "
           "(nf4/fp4 keep transformers' fused bf16 experts)",

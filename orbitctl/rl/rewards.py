@@ -1,7 +1,10 @@
 """Reward functions: ``builtin`` (the task's own), ``math``, ``code`` and ``python:module:function``.
 
-A reward maps (completions, items) to one float per completion. ``math`` extracts the final
-answer (``#### N``, else ``\\boxed{...}``, else the last number) and compares numerically.
+A reward maps (completions, items) to one float per completion. ``math`` takes the completion's
+final answer (its last ``\\boxed{...}``, else ``#### N``, else its last number) and the item's
+reference (its last ``\\boxed{...}``, else ``#### N``, else the whole reference; a reference in
+prose falls back to its last number), normalises both (:func:`normalize_answer`) and scores 1.0
+when they are the same text or the same number (``0.5`` == ``1/2`` == ``\\frac{1}{2}``).
 ``code`` runs prompt + completion and the item's tests in :mod:`orbitctl.rl.sandbox`; the
 reward is the fraction of asserts passed. A user reward ``python:pkg.mod:fn`` is called once
 per completion with the keyword arguments its signature names among ``prompt``,
@@ -18,58 +21,113 @@ from fractions import Fraction
 from typing import Callable
 
 from orbitctl.errors import UserError
+from orbitctl.data.formats import last_boxed
 from orbitctl.data.tasks import BuiltinTask, PromptItem
 
 RewardFn = Callable[[list[str], list[PromptItem]], list[float]]
 
 _HASHES = re.compile(r"####\s*([^\n]+)")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
-
-
-def _boxed(text: str) -> str | None:
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 1, start + len("\\boxed{")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j]
-    return None
+_PROSE = re.compile(r"[A-Za-z]{2,}\s+[A-Za-z]{2,}")
 
 
 def extract_final_answer(text: str) -> str | None:
-    """The answer a math completion commits to: '#### N', else \\boxed{...}, else the last number."""
+    """The answer a math completion commits to: its last \\boxed{...}, else '#### N', else its last number."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
     match = _HASHES.findall(text)
     if match:
         return match[-1].strip()
-    boxed = _boxed(text)
-    if boxed is not None:
-        return boxed.strip()
     numbers = _NUMBER.findall(text)
     return numbers[-1] if numbers else None
 
 
-def parse_number(text: str | None) -> Fraction | None:
-    if text is None:
-        return None
-    cleaned = text.strip().replace(",", "").replace("$", "").rstrip(".").strip()
-    cleaned = re.sub(r"\\frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", cleaned)
-    found = _NUMBER.findall(cleaned)
-    if not found:
-        return None
+# (pattern, replacement) in order; see normalize_answer
+_REWRITES = [
+    (re.compile(r"\\\$|\$"), ""),                                   # $...$ and \$
+    (re.compile(r"\\(?:left|right)(?![A-Za-z])"), ""),              # \left( \right)
+    (re.compile(r"\\[!,;:> ]|\\q?quad(?![A-Za-z])|~"), " "),        # TeX spacing
+    (re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\\circ(?![A-Za-z])"), ""),  # degrees
+    (re.compile(r"\\?%"), ""),                                      # percent
+    # a trailing \text{...} after a value is a unit: 5 \text{ cm}
+    (re.compile(r"(?<=[\w}.)])\s*\\(?:text|mbox|mathrm)\s*\{[^{}]*\}\s*$"), ""),
+    (re.compile(r"\\(?:text|textbf|textrm|mbox|mathrm|mathbf)\s*\{([^{}]*)\}"), r"\1"),
+    (re.compile(r"^(-?[\d,]*\.?\d+)\s+[A-Za-z]+(?:\s+[A-Za-z]+)*$"), r"\1"),  # 18 dollars
+    (re.compile(r"\\[dt]frac(?![A-Za-z])"), r"\\frac"),
+    (re.compile(r"\\frac\s*(\w)\s*(\w)"), r"\\frac{\1}{\2}"),       # \frac12
+    (re.compile(r"\\frac\s*(\w)\s*\{"), r"\\frac{\1}{"),            # \frac1{2}
+    (re.compile(r"\\frac\s*(\{[^{}]*\})\s*(\w)"), r"\\frac\1{\2}"),  # \frac{1}2
+    (re.compile(r"\\sqrt\s*(\w)"), r"\\sqrt{\1}"),                  # \sqrt2
+    (re.compile(r"^[A-Za-z]\s*=(?!=)"), ""),                        # x = 5
+    (re.compile(r"\s+"), ""),
+    (re.compile(r"(?<![\d}])\.(\d)"), r"0.\1"),                     # .5
+]
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_NUM = r"-?(?:\d+(?:\.\d+)?|\.\d+)"
+_PLAIN = re.compile(_NUM)
+_RATIO = re.compile(rf"({_NUM})/({_NUM})")
+_FRAC = re.compile(rf"(-?)\\frac\{{({_NUM})\}}\{{({_NUM})\}}")
+
+
+def normalize_answer(text: str) -> str:
+    """A LaTeX answer in a form two ways of writing it share: no ``$``, ``\\left``/``\\right``, TeX spacing,
+    ``^\\circ``, ``%`` or spaces; a trailing ``\\text{unit}`` (or plain words after a number) dropped and other
+    ``\\text{...}`` unwrapped; ``\\dfrac``/``\\tfrac`` -> ``\\frac``, ``\\frac12`` -> ``\\frac{1}{2}``,
+    ``\\sqrt2`` -> ``\\sqrt{2}``; a leading ``x =`` dropped; no trailing ``.``; ``.5`` -> ``0.5``; ``1,000`` -> ``1000``."""
+    s = text.strip()
+    for pattern, replacement in _REWRITES:
+        s = pattern.sub(replacement, s)
+    s = s.rstrip(".")
+    return s.replace(",", "") if _THOUSANDS.fullmatch(s) else s
+
+
+def answer_value(normalized: str) -> Fraction | None:
+    """The number a normalised answer is, when it is one whole: ``3``, ``-0.25``, ``3/4``, ``\\frac{3}{4}``."""
     try:
-        return Fraction(found[0].replace(",", ""))
-    except (ValueError, ZeroDivisionError):
+        if _PLAIN.fullmatch(normalized):
+            return Fraction(normalized)
+        ratio = _RATIO.fullmatch(normalized)
+        if ratio:
+            return Fraction(ratio.group(1)) / Fraction(ratio.group(2))
+        frac = _FRAC.fullmatch(normalized)
+        if frac:
+            value = Fraction(frac.group(2)) / Fraction(frac.group(3))
+            return -value if frac.group(1) else value
+    except ZeroDivisionError:
         return None
+    return None
+
+
+def answers_match(got: str, want: str) -> bool:
+    """Same normalised text, or the same number (relative tolerance 1e-6)."""
+    a, b = normalize_answer(got), normalize_answer(want)
+    if not a or not b:
+        return False
+    if a == b:
+        return True
+    x, y = answer_value(a), answer_value(b)
+    return x is not None and y is not None and abs(float(x) - float(y)) <= 1e-6 * max(1.0, abs(float(y)))
+
+
+def _reference_answer(answer: str) -> str:
+    boxed = last_boxed(answer)
+    if boxed is not None:
+        return boxed
+    match = _HASHES.findall(answer)
+    return match[-1] if match else answer
 
 
 def math_reward(completion: str, answer: str | None) -> float:
-    """1.0 when the completion's final answer equals the reference numerically (0.5 == 1/2 == 0.50)."""
-    got, want = parse_number(extract_final_answer(completion)), parse_number(extract_final_answer(answer or "") or answer)
-    if got is None or want is None:
+    """1.0 when the completion's final answer matches the reference (see the module docstring)."""
+    got = extract_final_answer(completion)
+    if got is None or not answer:
         return 0.0
-    return 1.0 if abs(float(got) - float(want)) <= 1e-6 * max(1.0, abs(float(want))) else 0.0
+    want = _reference_answer(answer)
+    if answers_match(got, want):
+        return 1.0
+    numbers = _NUMBER.findall(want) if _PROSE.search(want) else []
+    return 1.0 if numbers and answers_match(got, numbers[-1]) else 0.0
 
 
 def _code_reward(completions: list[str], items: list[PromptItem]) -> list[float]:

@@ -27,6 +27,9 @@ class RolloutBatch:
     rewards: "torch.Tensor"
     rollout_s: float
     reward_s: float
+    completion_attention: "torch.Tensor | None" = None
+    """[B, T] 1 on every real completion token, the environment's included (multi-turn rollouts); None: the
+    same as ``completion_mask``. The train path attends to these; the losses count ``completion_mask`` only."""
 
     @property
     def size(self) -> int:

@@ -152,6 +152,8 @@ def run(job: dict, nonce: str) -> None:
             exec(compile(ast.Module(body=[n for n in check[0].body if not isinstance(n, ast.Assert)], type_ignores=[]), "<check>", "exec"), ns)
     except BaseException:
         report(0, total); return
+    if not asserts:  # the checks sit inside loops or helpers: running the body to its end is the one test
+        report(1, 1); return
     passed = 0
     for node in asserts:
         try:

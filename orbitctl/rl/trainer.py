@@ -78,22 +78,28 @@ def accumulation_warnings(derived: int, profile) -> list[str]:
 
 
 class _Evaluator:
-    def __init__(self, policy, items, reward_fn, profile, max_new_tokens, rank, world):
+    def __init__(self, policy, items, reward_fn, profile, max_new_tokens, rank, world, env=None):
         self.policy, self.items, self.reward_fn = policy, items[rank::world], reward_fn
         self.any = bool(items)  # the same on every rank: all of them evaluate, or none (a collective follows)
         self.batch = profile.rollout_batch_size
         self.max_new = max_new_tokens
+        self.env, self.max_turns = env, profile.rollout.max_turns
 
     def __call__(self) -> dict | None:
         import torch
 
+        from orbitctl.rl.multiturn import evaluate_episodes
         from orbitctl.rl.rollout import evaluate
         from orbitctl.rl.update import _all_reduce_sum
 
         if not self.any:
             return None
-        out = evaluate(self.policy, self.items, self.reward_fn, batch_size=self.batch, max_new_tokens=self.max_new,
-                       generator=torch.Generator())
+        if self.env is not None:
+            out = evaluate_episodes(self.policy, self.env, self.items, batch_size=self.batch,
+                                    max_turns=self.max_turns, max_new_tokens=self.max_new)
+        else:
+            out = evaluate(self.policy, self.items, self.reward_fn, batch_size=self.batch,
+                           max_new_tokens=self.max_new, generator=torch.Generator())
         total = _all_reduce_sum(out["total"])
         return {"eval_accuracy": _all_reduce_sum(out["correct"]) / total,
                 "eval_reward": _all_reduce_sum(out["reward_sum"]) / total, "eval_prompts": int(total)}
@@ -109,14 +115,21 @@ def run_loop(profile, fresh, emit, rank, world, torch) -> TrainResult:
     from orbitctl.rl.runlog import HealthMonitor, MetricsLog
     from orbitctl.rl.losses import group_advantages
     from orbitctl.rl.rewards import make_reward
+    from orbitctl.rl.multiturn import collect_episodes
     from orbitctl.rl.rollout import collect
     from orbitctl.rl.update import run_update
 
     wall_start = time.perf_counter()
     run = RunDir(profile.run_dir)
     run_dir = run.root
-    split = load_prompts(profile.data, profile.run.seed)  # bad data fails here, before any work
-    reward_fn = make_reward(profile.data.reward, split.task)
+    env = _environment(profile)  # bad data fails here, before any work
+    if env is None:
+        split = load_prompts(profile.data, profile.run.seed)
+        reward_fn = make_reward(profile.data.reward, split.task)
+    else:
+        from orbitctl.rl.envs import episode_split
+
+        split, reward_fn = episode_split(env, profile.data, profile.run.seed), None
     gas = _accumulation(profile, world)
     _prepare_run_dir(run, profile, fresh, rank)
 
@@ -136,14 +149,15 @@ def run_loop(profile, fresh, emit, rank, world, torch) -> TrainResult:
                    "quant": quant_summary(base.quantized_dir),
                    "accumulation": {"derived": gas, "profile": profile.memory.gradient_accumulation_steps},
                    "warnings": accumulation_warnings(gas, profile),
-                   "run_dir": str(run_dir), "rank": rank, "world_size": world, **base.notes})
+                   "run_dir": str(run_dir), "rank": rank, "world_size": world, "data_formats": split.formats,
+                   **base.notes})
     rl = profile.rl
     optimizer_steps_per_rollout = rl.ppo_epochs * rl.minibatches
     engine, _ = build_engine(policy, profile, gas, rl.steps)
     generator = torch.Generator().manual_seed(profile.run.seed * 7919 + rank)
     stream = PromptStream(split.train, profile.run.seed, rank, world)
     max_new = profile.rollout.max_new_tokens
-    evaluator = _Evaluator(policy, split.eval, reward_fn, profile, max_new, rank, world)
+    evaluator = _Evaluator(policy, split.eval, reward_fn, profile, max_new, rank, world, env)
     metrics = MetricsLog(run.metrics, enabled=rank == 0)
     summary_path = run.summary
 
@@ -171,15 +185,23 @@ def run_loop(profile, fresh, emit, rank, world, torch) -> TrainResult:
     # the full infer distribution is kept for the align loss only while it stays small
     # (tiny vocabularies); otherwise the align loss uses the sampled-token k3 estimate
     dist_bytes = profile.rollout_batch_size * max_new * int(policy.model.config.vocab_size) * 4
-    keep_dist = rl.align_loss.kind == "kl" and rl.align_loss.weight > 0 and dist_bytes <= FULL_DIST_BUDGET_BYTES
+    keep_dist = rl.align_loss.kind == "kl" and rl.align_loss.weight > 0 and dist_bytes <= FULL_DIST_BUDGET_BYTES \
+        and env is None  # multi-turn rollouts keep sampled-token log-probs only (k3 align estimate)
     while step < rl.steps:
         positions, items = zip(*stream.next_step(rl.prompts_per_step))
         with meter.phase("rollout"):
             # draws keyed by each sequence's place in the run: the same tokens on 1 rank or N
-            batch = collect(policy, list(items), reward_fn, group_size=rl.group_size,
-                            batch_size=profile.rollout_batch_size, max_new_tokens=max_new,
-                            temperature=profile.rollout.temperature, top_p=profile.rollout.top_p,
-                            generator=generator, keep_dist=keep_dist, keys=(profile.run.seed, positions))
+            if env is not None:
+                batch = collect_episodes(policy, env, list(items), group_size=rl.group_size,
+                                         batch_size=profile.rollout_batch_size, max_turns=profile.rollout.max_turns,
+                                         max_new_tokens=max_new, temperature=profile.rollout.temperature,
+                                         top_p=profile.rollout.top_p, generator=generator,
+                                         keys=(profile.run.seed, positions))
+            else:
+                batch = collect(policy, list(items), reward_fn, group_size=rl.group_size,
+                                batch_size=profile.rollout_batch_size, max_new_tokens=max_new,
+                                temperature=profile.rollout.temperature, top_p=profile.rollout.top_p,
+                                generator=generator, keep_dist=keep_dist, keys=(profile.run.seed, positions))
         advantages = group_advantages(batch.rewards, rl.group_size, rl.std_normalize) if rl.algorithm == "grpo" \
             else _ppo_advantages(batch.rewards, rl.group_size)
         rollout_stats = _rollout_stats(batch)
@@ -239,6 +261,20 @@ def run_loop(profile, fresh, emit, rank, world, torch) -> TrainResult:
     if rank == 0:
         atomic_write_json(summary_path, {**result.to_dict(), "status": "finished"})
     return result
+
+
+def _environment(profile):
+    """The environment class ``data.train: env:NAME`` names, or None for prompt data (where
+    ``rollout.max_turns`` must stay 1: there is nothing to answer a second turn)."""
+    from orbitctl.rl.envs import env_name, environment
+
+    if env_name(profile.data.train) is None:
+        if profile.rollout.max_turns > 1:
+            raise UserError(f"rollout.max_turns: {profile.rollout.max_turns} needs an environment, and data.train "
+                            f"is {profile.data.train}",
+                            fix="set data.train: env:NAME (env:guess, env:textworld), or rollout.max_turns: 1")
+        return None
+    return environment(profile.data.train)
 
 
 def _final_eval(evaluator) -> float | None:

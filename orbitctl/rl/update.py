@@ -51,18 +51,23 @@ def _rows(batch, rows, advantages, old_logp):
     sel = {
         "prompt_ids": batch.prompt_ids[rows], "prompt_mask": batch.prompt_mask[rows],
         "completion_ids": batch.completion_ids[rows], "completion_mask": batch.completion_mask[rows],
-        "infer_logp": batch.infer_logprobs[rows], "adv": advantages[rows],
+        "attention": _attention(batch)[rows], "infer_logp": batch.infer_logprobs[rows], "adv": advantages[rows],
         "dist": batch.infer_dist[rows] if batch.infer_dist is not None else None,
         "old_logp": old_logp[rows] if old_logp is not None else None,
     }
     return sel
 
 
+def _attention(batch):
+    """Which completion tokens the train path reads: environment tokens too, though no loss counts them."""
+    return batch.completion_attention if batch.completion_attention is not None else batch.completion_mask
+
+
 def _train_logdist(policy, mb, temperature: float, train: bool = True):
     import torch
 
     logits = policy.completion_logits(mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
-                                      mb["completion_mask"], train=train)
+                                      mb["attention"], train=train)
     return torch.log_softmax(logits.float() / (temperature if temperature > 0 else 1.0), dim=-1)
 
 
@@ -76,7 +81,7 @@ def old_logprobs(policy, batch, micro: int, temperature: float):
             rows = slice(start, start + micro)
             logdist = _train_logdist(policy, {"prompt_ids": batch.prompt_ids[rows], "prompt_mask": batch.prompt_mask[rows],
                                               "completion_ids": batch.completion_ids[rows],
-                                              "completion_mask": batch.completion_mask[rows]}, temperature, train=False)
+                                              "attention": _attention(batch)[rows]}, temperature, train=False)
             ids = batch.completion_ids[rows, :, None].to(logdist.device)
             out.append(logdist.gather(-1, ids).squeeze(-1).cpu())  # the batch stays on the host
     return torch.cat(out, 0) * batch.completion_mask
@@ -104,7 +109,7 @@ def micro_loss(policy, mb, profile, token_total: float, stats: StepStats):
         stats.add("align_loss", float((align.detach() * mask).sum()))
     if rl.kl_ref_coef > 0:
         ref_logits = policy.reference_logits(mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
-                                             mb["completion_mask"])
+                                             mb["attention"])
         ref_logp = torch.log_softmax(ref_logits.float() / (temperature if temperature > 0 else 1.0), -1).gather(
             -1, mb["completion_ids"][..., None]).squeeze(-1)
         ref_kl = k3(logp, ref_logp)

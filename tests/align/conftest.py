@@ -1,4 +1,4 @@
-"""Shared fixtures: one model cache per session, and a small copy of the demo profile."""
+"""A small copy of the demo profile."""
 
 import os
 from pathlib import Path
@@ -8,14 +8,6 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "profiles" / "tiny-cpu.yaml"
-
-
-@pytest.fixture(scope="session", autouse=True)
-def model_cache(tmp_path_factory):
-    """The demo base is built and quantized once into this directory (subprocesses inherit it)."""
-    cache = os.environ.get("ORBITCTL_TEST_CACHE") or str(tmp_path_factory.mktemp("orbitctl-cache"))
-    os.environ["ORBITCTL_CACHE"] = cache
-    return cache
 
 
 def env_overrides() -> dict:

@@ -25,7 +25,7 @@ def test_cli_passes_flags_to_one_library_call(monkeypatch):
                                  "--machine", "--json"])
     assert result.exit_code == 0, result.output
     assert seen == {"snapshot_path": "s.json", "save_snapshot_path": "o.json", "log": "run.log", "profile_path": "p.yaml",
-                    "overrides": ["memory.seq_len=2048"], "expect_gpus": 8, "active": True, "machine": True}
+                    "overrides": ["memory.seq_len=2048"], "expect_gpus": 8, "active": True, "machine": True, "run_dir": None}
     assert json.loads(result.stdout)["ok"] is True
 
 

@@ -57,6 +57,18 @@ def test_decode_time_is_linear_in_max_new_tokens(repo, name):
         assert 1.9 < longer / shorter <= 2.0 + 1e-9
 
 
+def test_turns_decode_max_new_tokens_each(repo):
+    """rollout.max_turns: every turn decodes max_new_tokens policy tokens; 4 turns of 256 are 1024 decoded tokens."""
+    from orbitctl.plan.comm import step_shape
+
+    base = {"rollout.max_new_tokens": 256, "memory.seq_len": 4096}
+    one = _profile(repo, "llama-3.1-8b_grpo_qlora-nf4_1x24g", **{**base, "rollout.max_new_tokens": 1024})
+    turns = _profile(repo, "llama-3.1-8b_grpo_qlora-nf4_1x24g", **{**base, "rollout.max_turns": 4})
+    assert step_shape(turns).decode_tokens == step_shape(one).decode_tokens
+    assert step_shape(turns).prefill_tokens == step_shape(one).prefill_tokens
+    assert _timing(turns).phases["rollout"].seconds == pytest.approx(_timing(one).phases["rollout"].seconds)
+
+
 def test_decode_time_is_sublinear_in_batch_until_compute_bound(repo):
     """Two rounds of decoding a batch each: doubling the batch costs less than double while HBM-bound, about double once
     compute-bound."""

@@ -1,6 +1,5 @@
-"""Shared fixtures: one model cache per session, and a small, fast version of the demo profile."""
+"""A small, fast version of the demo profile."""
 
-import os
 from pathlib import Path
 
 import pytest
@@ -13,14 +12,6 @@ SMALL = {
     "rl.prompts_per_step": 8, "rl.group_size": 4, "memory.micro_batch_size": 16, "rollout.batch_size": 32,
     "rl.steps": 3, "rl.warmup_steps": 0, "run.eval_every": 100, "run.save_every": 100, "data.eval_size": 16,
 }
-
-
-@pytest.fixture(scope="session", autouse=True)
-def model_cache(tmp_path_factory):
-    """Every test (and subprocess) builds the demo base once into this directory."""
-    cache = os.environ.get("ORBITCTL_TEST_CACHE") or str(tmp_path_factory.mktemp("orbitctl-cache"))
-    os.environ["ORBITCTL_CACHE"] = cache
-    return cache
 
 
 def small_profile_yaml(tmp_path: Path, run_name: str, **overrides) -> Path:

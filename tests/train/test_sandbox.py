@@ -99,3 +99,12 @@ def test_sandboxes_started_from_many_threads_all_finish():
         results = list(pool.map(lambda p: run_tests(p, TESTS, "f", FAST), programs))
     assert [r.status for r in results] == ["ok"] * 12
     assert [r.passed for r in results] == [3, 1] * 6
+
+
+def test_a_check_whose_asserts_sit_in_a_loop_passes_when_its_body_runs_to_the_end():
+    # HumanEval/32, /38 and /50 check inside a for loop: nothing at the top of check() to count
+    tests = "def check(candidate):\n    for x in range(5):\n        assert candidate(x) == x * 2\n"
+    good = run_tests("def double(x):\n    return x * 2\n", tests, "double")
+    bad = run_tests("def double(x):\n    return x + 2\n", tests, "double")
+    assert (good.status, good.passed, good.total) == ("ok", 1, 1)
+    assert (bad.status, bad.passed) == ("ok", 0)

@@ -1,0 +1,166 @@
+"""Multi-turn rollouts: the policy plays episodes of an environment (``data.train: env:NAME``).
+
+Per episode the prompt is the first observation. Each turn the policy samples an action (until EOS,
+a newline or ``rollout.max_new_tokens`` tokens), the environment answers, and its reply's tokens are
+appended to the context, until the episode is done or ``rollout.max_turns`` actions were played.
+The result is a :class:`~orbitctl.rl.rollout.RolloutBatch` like the single-turn one: the completion
+holds the actions and the environment's replies in order; ``completion_mask`` is 1 on the policy's
+own tokens only, so the losses, the IS correction and the mismatch metrics never see environment
+tokens, while ``completion_attention`` (1 on both) lets the train path's forward read them as context.
+The reward of every row is its episode's return.
+
+Each turn re-reads the whole context on the infer path (no KV cache across turns), so each action's
+log-probs come from the same tokens at the same positions as the train path's full-sequence forward.
+Draws are keyed per (episode, turn): row ``r`` (position ``p``, group index ``g``: ``r = p*G + g``)
+samples turn ``t`` from key ``r * max_turns + t``, the same on 1 rank or N.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+
+from orbitctl.rl.envs import Environment, EpisodeItem
+from orbitctl.rl.rollout import RolloutBatch, lockstep_chunks
+
+
+@dataclass
+class Episode:
+    """One episode being played: its context so far and what the policy contributed to it."""
+
+    item: EpisodeItem
+    env: Environment
+    key: int | None
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    own: list[int] = field(default_factory=list)
+    """1 where ``tokens`` holds a policy token, 0 on environment tokens."""
+    logprobs: list[float] = field(default_factory=list)
+    transcript: list[str] = field(default_factory=list)
+    ret: float = 0.0
+    done: bool = False
+    turns: int = 0
+
+
+@functools.lru_cache(maxsize=4)
+def _newline_ids(tokenizer) -> frozenset[int]:
+    return frozenset(i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i]))
+
+
+def _encode_text(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _padded(rows: list[list], value, dtype):
+    """Rows of different lengths as one right-padded [B, T] tensor."""
+    import torch
+
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
+
+
+def _context_batch(episodes: list[Episode], pad: int):
+    import torch
+
+    rows = [ep.prompt + ep.tokens for ep in episodes]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
+    return ids, mask
+
+
+def _action(policy, ids: list[int], logps: list[float]) -> tuple[list[int], list[float]]:
+    """The sampled tokens up to and including the first newline or EOS."""
+    stops = _newline_ids(policy.tokenizer) | {policy.eos_id}
+    for i, token in enumerate(ids):
+        if token in stops:
+            return ids[:i + 1], logps[:i + 1]
+    return ids, logps
+
+
+def play(policy, episodes: list[Episode], *, batch_size: int, max_turns: int, max_new_tokens: int,
+         temperature: float, top_p: float, generator, seed: int) -> None:
+    """Play every episode to its end or ``max_turns`` actions, in place."""
+    from orbitctl.model.draws import KeyedDraws
+
+    for turn in range(max_turns):
+        active = [ep for ep in episodes if not ep.done]
+        if policy.lockstep.all_done(not active):  # under expert parallelism every rank plays as many turns
+            break
+        for _, chunk in lockstep_chunks(policy, active, batch_size):
+            ids, mask = _context_batch(chunk, policy.pad_id) if chunk else policy.filler()
+            keyed = chunk and all(ep.key is not None for ep in chunk)
+            draws = KeyedDraws(seed, tuple(ep.key * max_turns + turn for ep in chunk)) if keyed else None
+            out = policy.sample(ids, mask, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                generator=generator, draws=draws)
+            for row, ep in enumerate(chunk):
+                kept = out.completion_mask[row].bool()
+                action, logps = _action(policy, out.completion_ids[row][kept].tolist(),
+                                        out.logprobs[row][kept].tolist())
+                text = policy.tokenizer.decode(action, skip_special_tokens=True)
+                observation, reward, done = ep.env.step(text.replace("\n", ""))
+                ep.tokens += action
+                ep.own += [1] * len(action)
+                ep.logprobs += logps
+                ep.transcript.append(text)
+                ep.ret += float(reward)
+                ep.turns += 1
+                ep.done = bool(done) or ep.turns >= max_turns
+                if not ep.done:  # the last reply is never read by the policy: it is not appended
+                    reply = _encode_text(policy.tokenizer, observation)
+                    ep.tokens += reply
+                    ep.own += [0] * len(reply)
+                    ep.logprobs += [0.0] * len(reply)
+                    ep.transcript.append(observation)
+    for ep in episodes:
+        ep.env.close()
+
+
+def start_episodes(policy, env_cls: type[Environment], items: list[EpisodeItem], group_size: int,
+                   positions=None) -> list[Episode]:
+    """``group_size`` fresh episodes of each item's seed, keyed by position in the prompt stream."""
+    episodes = []
+    for i, item in enumerate(items):
+        for g in range(group_size):
+            env = env_cls()
+            observation = env.reset(item.seed)
+            ids, mask = policy.encode_prompts([observation])
+            key = positions[i] * group_size + g if positions is not None else None
+            episodes.append(Episode(item, env, key, ids[0][mask[0].bool()].tolist()))
+    return episodes
+
+
+def collect_episodes(policy, env_cls: type[Environment], items: list[EpisodeItem], *, group_size: int,
+                     batch_size: int, max_turns: int, max_new_tokens: int, temperature: float, top_p: float,
+                     generator, keys=None) -> RolloutBatch:
+    """One step's experience: ``group_size`` episodes per item; ``keys = (seed, positions)`` keys the draws."""
+    import torch
+
+    start = time.perf_counter()
+    episodes = start_episodes(policy, env_cls, items, group_size, keys[1] if keys is not None else None)
+    play(policy, episodes, batch_size=batch_size, max_turns=max_turns, max_new_tokens=max_new_tokens,
+         temperature=temperature, top_p=top_p, generator=generator, seed=keys[0] if keys is not None else 0)
+    pad = policy.pad_id
+    width = max(len(ep.prompt) for ep in episodes)
+    prompt_ids = torch.tensor([[pad] * (width - len(ep.prompt)) + ep.prompt for ep in episodes], dtype=torch.long)
+    prompt_mask = torch.tensor([[0] * (width - len(ep.prompt)) + [1] * len(ep.prompt) for ep in episodes],
+                               dtype=torch.long)
+    completion_ids = _padded([ep.tokens for ep in episodes], pad, torch.long)
+    completion_mask = _padded([ep.own for ep in episodes], 0, torch.long)
+    attention = _padded([[1] * len(ep.tokens) for ep in episodes], 0, torch.long)
+    logprobs = _padded([ep.logprobs for ep in episodes], 0.0, torch.float32)
+    rewards = torch.tensor([ep.ret for ep in episodes], dtype=torch.float32)
+    return RolloutBatch([ep.item for ep in episodes], prompt_ids, prompt_mask, completion_ids, completion_mask,
+                        logprobs, None, ["".join(ep.transcript) for ep in episodes], rewards,
+                        time.perf_counter() - start, 0.0, completion_attention=attention)
+
+
+def evaluate_episodes(policy, env_cls: type[Environment], items: list[EpisodeItem], *, batch_size: int,
+                      max_turns: int, max_new_tokens: int) -> dict:
+    """Greedy play of held-out episodes: successes (return >= 1), episodes and summed return, for all-reduce."""
+    episodes = start_episodes(policy, env_cls, items, 1)
+    play(policy, episodes, batch_size=batch_size, max_turns=max_turns, max_new_tokens=max_new_tokens,
+         temperature=0.0, top_p=1.0, generator=None, seed=0)
+    return {"correct": float(sum(ep.ret >= 1.0 - 1e-9 for ep in episodes)), "total": len(episodes),
+            "reward_sum": float(sum(ep.ret for ep in episodes))}
