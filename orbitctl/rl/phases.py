@@ -1,13 +1,13 @@
 """Every run measures its memory against the plan: each rank's peak per phase, next to the prediction.
 
-    meter = PhaseMemory.for_profile(profile, device)   # before the model is built: the baseline
+    meter = PhaseMemory.for_profile(profile, device)   # before the base is built or loaded: the baseline
     with meter.phase("rollout"):
         ...
     meter.report()   # collective: {"phase_memory": {phase: {predicted_bytes, measured_bytes: [per rank]}}, ...}
 
 On a GPU a phase's peak is ``torch.cuda.max_memory_allocated`` (reset as the phase starts) and the
 device's used memory from NVML as the phase ends (context, NCCL, other processes). On the CPU it
-is the rise of the process's resident set over its size before the model was built: the kernel's
+is the rise of the process's resident set over its size before the base was built or loaded: the kernel's
 high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs`` after the allocator has given
 freed pages back) at the end of the phase, minus that baseline. The prediction is ``orbitctl plan``'s peak of the same phase for this profile. A
 measured/predicted ratio outside :data:`RATIO_BAND` (and more than :data:`SLACK_BYTES` apart) is a warning

@@ -134,16 +134,18 @@ def run_loop(profile, fresh, emit, rank, world, torch) -> TrainResult:
     _prepare_run_dir(run, profile, fresh, rank)
 
     torch.manual_seed(profile.run.seed)
+    from orbitctl.model.cpu_dtype import run_device_type
+    from orbitctl.rl.phases import PhaseMemory
+
+    # the baseline: before the base is built, quantized or loaded, so that what building it imports counts
+    # as it does when the base comes from the cache (the model's modules, loaded after this point either way)
+    meter = PhaseMemory.for_profile(profile, run_device_type(profile))
     # rank 0 builds or quantizes what is missing; the others then find it in the cache
     if rank == 0:
         base = prepare_frozen_base(profile, split.warm_task)
     torch.distributed.barrier()
     if rank != 0:
         base = prepare_frozen_base(profile, split.warm_task)
-    from orbitctl.model.cpu_dtype import run_device_type
-    from orbitctl.rl.phases import PhaseMemory
-
-    meter = PhaseMemory.for_profile(profile, run_device_type(profile))  # the baseline: before the model is built
     policy = load_policy(profile, base)
     emit("setup", {"adapter": policy.report.summary(), "base": str(base.quantized_dir), "built": base.built,
                    "quant": quant_summary(base.quantized_dir),
