@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("data",),
     ("builder",),
     ("rl", "align", "doctor", "report"),
-    ("evals",),
+    ("evals", "serve"),
     ("launch",),
     ("cli",),
 )

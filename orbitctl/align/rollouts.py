@@ -1,6 +1,7 @@
-"""Engine rollouts in the OpenAI-compatible logprobs format that vLLM and SGLang return.
+"""Engine rollouts in the OpenAI-compatible logprobs format that vLLM and SGLang return, and SGLang's native one.
 
-File format: JSONL, one object per line, holding the request's prompt and the engine's response.
+File format: JSONL, one object per line, holding the request's prompt and the engine's response (or a
+streamed response, or a ``/generate`` batch: see :mod:`orbitctl.align.rollout_file` for the framing).
 
 - The prompt: ``"prompt": "text"`` (completions) or ``"messages": [...]`` (chat), and/or
   ``"prompt_token_ids": [ints]``. Ids are preferred when present: nothing is re-tokenised. They may sit
@@ -13,6 +14,11 @@ File format: JSONL, one object per line, holding the request's prompt and the en
   "top_logprobs": [{"token": str, "logprob": float, "bytes": [int] | null}]}]``.
 - Token ids directly: an optional ``"token_ids"`` list on a choice, or tokens written as ``"token_id:123"``
   (vLLM's ``--return-tokens-as-token-ids``).
+- SGLang native ``/generate``: ``{"text": str, "meta_info": {"output_token_logprobs": [[logprob, id,
+  text | null]], "output_top_logprobs": [[[logprob, id, text | null], ...] | null per position],
+  "finish_reason": {"type": ...}}}``, under ``"response"`` beside the request (its ``"text"`` or
+  ``"input_ids"`` is the prompt; the request may also sit under ``"request"``), or merged at top level
+  with ``"input_ids"`` (there ``"text"`` is the completion). Ids come with every token.
 
 A sampled token's logprob must be finite and <= 0 (a rounding excess up to 1e-6 is read as 0); a top-k
 entry may be ``-inf`` (a masked token). ``echo`` responses (prompt tokens with a null first logprob) are
@@ -31,13 +37,15 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orbitctl.errors import InputFileError
+from orbitctl.align.rollout_file import Record, line_error as _fail, read_records
 
 TOKEN_ID_PREFIX = "token_id:"
 LOGPROBS_FIX = ('request with logprobs (completions: "logprobs": K; chat: "logprobs": true, "top_logprobs": K) '
                 "and store the whole response")
 IDS_FIX = ("start vLLM with --return-tokens-as-token-ids (or request \"return_token_ids\": true), "
            "and send prompt_token_ids; check the tokenizer is the engine's")
+SGLANG_LOGPROBS_FIX = ('request /generate with "return_logprob": true and "top_logprobs_num": K '
+                       "and store the whole response")
 POSITIVE_SLACK = 1e-6  # engines round log_softmax; a sampled token at p≈1 may print a hair above 0
 
 
@@ -53,7 +61,7 @@ class EngineCompletion:
     token_ids: list[int] | None   # when the engine gave ids
     logprobs: list[float]         # engine log-prob of each sampled token
     top: list[list[tuple[str | int, float]]]   # per position, the engine's top-K (token str or id, logprob)
-    shape: str                    # "completions" | "chat"
+    shape: str                    # "completions" | "chat" | "sglang"
     text: str | None = None       # the choice's text / message content, for the decode check
     finish_reason: str | None = None
     choice: int = 0               # index of the choice within its line
@@ -76,45 +84,44 @@ class ResolvedCompletion:
     notes: list[str] = field(default_factory=list)
 
 
-def _fail(where: str, what: str, key: str | None, fix: str) -> InputFileError:
-    key_part = f" ({key})" if key else ""
-    return InputFileError(f"{where}: {what}{key_part} — fix: {fix}")
-
-
 def read_rollouts(path) -> list[EngineCompletion]:
-    """Every choice of every line of a rollouts JSONL file, in file order."""
+    """Every completion of every record of a rollouts file (lines, batch elements, streams), in file order."""
     path = Path(path)
     if not path.is_file():
         raise _fail(str(path), "no such rollouts file", None,
                     "pass the JSONL file of requests and engine responses (--rollouts FILE.jsonl)")
     completions: list[EngineCompletion] = []
-    for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if raw.strip():
-            completions.extend(_read_line(path, number, raw))
+    for record in read_records(path):
+        completions.extend(_read_record(path, record))
     if not completions:
         raise _fail(str(path), "empty file, no rollouts", None,
                     "write one JSON object per line: the prompt and the engine's response with logprobs")
     return completions
 
 
-def _read_line(path: Path, number: int, raw: str) -> list[EngineCompletion]:
-    where = f"{path}:{number}"
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise _fail(where, f"not JSON ({exc.msg} at column {exc.colno})", None,
-                    "write one JSON object per line") from None
-    if not isinstance(obj, dict):
-        raise _fail(where, f"a JSON {type(obj).__name__}, not an object", None, "write one JSON object per line")
-    response = obj.get("response", obj)
-    prefix = "response." if "response" in obj else ""
+def _read_record(path: Path, record: Record) -> list[EngineCompletion]:
+    where, obj = f"{path}:{record.line}", record.obj
+    wrapped = "response" in obj
+    response = obj["response"] if wrapped else obj
+    prefix = record.prefix + ("response." if wrapped and not record.stream else "")
+    request = obj.get("request", {})
+    if not isinstance(request, dict):
+        raise _fail(where, "the request is not an object", f"{record.prefix}request",
+                    "store the request body as sent (an object)")
+    # merged at the top level, "text" is SGLang's completion, not the request's prompt
+    own = ("request", "response") if wrapped else ("request", "response", "text")
+    fields = {**request, **{k: v for k, v in obj.items() if k not in own}}
+    if isinstance(response, list) and wrapped:
+        return _read_sglang_batch(path, record, fields, response, prefix)
     if not isinstance(response, dict):
         raise _fail(where, "the response is not an object", "response", "store the engine's JSON response")
+    if "meta_info" in response:
+        return [_read_sglang(path, record.line, fields, response, prefix, 0)]
     choices = response.get("choices")
     if not isinstance(choices, list) or not choices:
         raise _fail(where, "no choices", f"{prefix}choices",
                     'store the engine\'s whole response under "response" or merge it into the line')
-    prompt_text, messages, line_ids = _read_prompt(where, obj, response, prefix)
+    prompt_text, messages, line_ids = _read_prompt(where, fields, response, prefix)
     out = []
     for i, choice in enumerate(choices):
         key = f"{prefix}choices[{i}]"
@@ -125,15 +132,17 @@ def _read_line(path: Path, number: int, raw: str) -> list[EngineCompletion]:
             raise _fail(where, "no prompt", "prompt | messages | prompt_token_ids",
                         "store the request's prompt (or its token ids) on the line")
         completion = _read_choice(where, choice, key)
-        completion.line, completion.choice, completion.path = number, int(choice.get("index", i)), str(path)
+        completion.line, completion.choice, completion.path = record.line, int(choice.get("index", i)), str(path)
         completion.prompt_text, completion.prompt_messages, completion.prompt_token_ids = prompt_text, messages, ids
         out.append(completion)
     return out
 
 
-def _read_prompt(where: str, obj: dict, response: dict, prefix: str):
-    prompt, messages = obj.get("prompt"), obj.get("messages")
-    ids = _int_list(where, obj.get("prompt_token_ids"), "prompt_token_ids")
+def _read_prompt(where: str, fields: dict, response: dict, prefix: str):
+    """The prompt from the line's (or its ``request``'s) fields: OpenAI's, or SGLang's ``text``/``input_ids``."""
+    prompt, messages = fields.get("prompt", fields.get("text")), fields.get("messages")
+    id_key = "prompt_token_ids" if fields.get("prompt_token_ids") is not None else "input_ids"
+    ids = _int_list(where, fields.get(id_key), id_key)
     if ids is None:
         ids = _int_list(where, response.get("prompt_token_ids"), f"{prefix}prompt_token_ids")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -141,12 +150,87 @@ def _read_prompt(where: str, obj: dict, response: dict, prefix: str):
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         ids, prompt = ids or [int(t) for t in prompt], None  # a prompt given as token ids
     if prompt is not None and not isinstance(prompt, str):
-        raise _fail(where, "the prompt is neither a string nor a list of token ids", "prompt",
+        raise _fail(where, "the prompt is neither a string nor a list of token ids", "prompt | text",
                     "one prompt per line; n > 1 completions go in choices")
     if messages is not None and not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
         raise _fail(where, "messages is not a list of objects", "messages",
                     'write the chat request\'s messages: [{"role": ..., "content": ...}]')
     return prompt, messages, ids
+
+
+def _read_sglang_batch(path: Path, record: Record, fields: dict, responses: list,
+                       prefix: str) -> list[EngineCompletion]:
+    """A ``/generate`` batch: the request's ``text`` (or ``input_ids``) list pairs one prompt with each response."""
+    where = f"{path}:{record.line}"
+    texts, id_lists = fields.get("text", fields.get("prompt")), fields.get("input_ids", fields.get("prompt_token_ids"))
+    batched = texts if isinstance(texts, list) and texts and all(isinstance(t, str) for t in texts) else (
+        id_lists if isinstance(id_lists, list) and id_lists and all(isinstance(t, list) for t in id_lists) else None)
+    if batched is not None and len(batched) not in (1, len(responses)):
+        raise _fail(where, f"{len(batched)} prompts for {len(responses)} responses", "text | input_ids",
+                    "store one prompt per response (with n > 1, save each prompt's request on its own line)")
+    out = []
+    for i, response in enumerate(responses):
+        key = f"{prefix}[{i}]."
+        if not isinstance(response, dict) or "meta_info" not in response:
+            raise _fail(where, "a batch response without meta_info", f"{key}meta_info",
+                        "store the list /generate returned, unchanged")
+        own = dict(fields)
+        if batched is not None:
+            own.update({"text": batched[min(i, len(batched) - 1)]} if batched is texts else
+                       {"input_ids": batched[min(i, len(batched) - 1)], "prompt_token_ids": None, "text": None, "prompt": None})
+        out.append(_read_sglang(path, record.line, own, response, key, i))
+    return out
+
+
+def _read_sglang(path: Path, line: int, fields: dict, response: dict, prefix: str, index: int) -> EngineCompletion:
+    """One SGLang ``/generate`` response: ``meta_info.output_token_logprobs`` as ``[logprob, id, text | null]``."""
+    where = f"{path}:{line}"
+    meta, key = response["meta_info"], f"{prefix}meta_info"
+    if not isinstance(meta, dict):
+        raise _fail(where, "meta_info is not an object", key, "store the engine's response unchanged")
+    prompt_text, messages, ids = _read_prompt(where, fields, response, prefix)
+    if prompt_text is None and messages is None and ids is None:
+        raise _fail(where, "no prompt", "text | input_ids | prompt_token_ids",
+                    'store the /generate request beside its response: {"text" or "input_ids": ..., "response": {...}}')
+    triples, tops = meta.get("output_token_logprobs"), meta.get("output_top_logprobs")
+    if not isinstance(triples, list):
+        raise _fail(where, "output_token_logprobs missing", f"{key}.output_token_logprobs", SGLANG_LOGPROBS_FIX)
+    if tops is not None and (not isinstance(tops, list) or len(tops) != len(triples)):
+        got = len(tops) if isinstance(tops, list) else type(tops).__name__
+        raise _fail(where, f"output_top_logprobs holds {got} positions, output_token_logprobs {len(triples)}",
+                    f"{key}.output_top_logprobs", "store the engine's response unchanged")
+    tokens, token_ids, sampled, top = [], [], [], []
+    for j, triple in enumerate(triples):
+        here = f"{key}.output_token_logprobs[{j}]"
+        value, token_id, text = _triple(where, triple, here)
+        sampled.append(_sampled_logprob(where, value, here))
+        token_ids.append(token_id)
+        tokens.append(text or "")
+        entries = tops[j] if tops is not None else None
+        if entries is not None and not isinstance(entries, list):
+            raise _fail(where, "a top-logprobs position is not a list", f"{key}.output_top_logprobs[{j}]",
+                        "store the engine's response unchanged")
+        row = []
+        for m, entry in enumerate(entries or []):
+            at = f"{key}.output_top_logprobs[{j}][{m}]"
+            alt_value, alt_id, _ = _triple(where, entry, at)
+            row.append((alt_id, _top_logprob(where, alt_value, at)))
+        top.append(row)
+    finish = meta.get("finish_reason")
+    completion = EngineCompletion(line, prompt_text, messages, ids, tokens, token_ids, sampled, top, "sglang",
+                                  choice=index, path=str(path))
+    completion.text = response.get("text") if isinstance(response.get("text"), str) else None
+    completion.finish_reason = finish.get("type") if isinstance(finish, dict) else finish
+    return completion
+
+
+def _triple(where: str, value, key: str) -> tuple:
+    if not (isinstance(value, list) and len(value) == 3 and isinstance(value[0], (int, float))
+            and not isinstance(value[0], bool) and isinstance(value[1], int) and not isinstance(value[1], bool)
+            and value[1] >= 0 and (value[2] is None or isinstance(value[2], str))):
+        raise _fail(where, f"{json.dumps(value)[:60]} is not a [logprob, token_id, text | null] triple", key,
+                    "store SGLang's meta_info unchanged (return_logprob: true)")
+    return value[0], value[1], value[2]
 
 
 def _int_list(where: str, value, key: str) -> list[int] | None:
@@ -310,7 +394,8 @@ def _resolve_one(c: EngineCompletion, tokenizer, token_map) -> ResolvedCompletio
     outside = next((t for t in [*prompt_ids, *completion_ids, *(t for row in top_ids for t in row)] if t >= size), None)
     if outside is not None:
         raise _fail(where, f"token id {outside} is outside the tokenizer's vocabulary of {size}",
-                    f"choices[{c.choice}]", "verify with the tokenizer of the model the engine served")
+                    "meta_info" if c.shape == "sglang" else f"choices[{c.choice}]",
+                    "verify with the tokenizer of the model the engine served")
     notes = _consistency_notes(c, tokenizer, completion_ids, top_ids, top_logp, where)
     return ResolvedCompletion(c.line, c.choice, prompt_ids, completion_ids, list(c.logprobs), top_ids, top_logp,
                               notes)

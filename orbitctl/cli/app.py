@@ -28,7 +28,7 @@ def _register() -> None:
     from orbitctl.cli import profile as profile_cmd
 
     app.add_typer(profile_cmd.app, name="profile")
-    for module_name in ("plan", "quantize", "train", "verify_alignment", "doctor", "evaluate", "report"):
+    for module_name in ("plan", "quantize", "train", "verify_alignment", "doctor", "evaluate", "report", "serve"):
         try:
             module = __import__(f"orbitctl.cli.{module_name}", fromlist=["register"])
         except ModuleNotFoundError as exc:
@@ -41,19 +41,10 @@ def _register() -> None:
 _register()
 
 
-def _quiet_accelerator_probe() -> None:
-    """On a machine with no NVIDIA or AMD GPU device, tell DeepSpeed its accelerator is the CPU: its own probe
-    logs "Setting accelerator to CPU" to stdout, which would break a command's ``--json`` output. A value the
-    user set is kept; the ranks a command starts inherit it."""
-    if not any(os.path.exists(dev) for dev in ("/dev/nvidiactl", "/dev/kfd")):
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; every OrbitError becomes one `Error:` line and its exit code."""
     from orbitctl.cli import output
 
-    _quiet_accelerator_probe()
     debug = os.environ.get("ORBITCTL_DEBUG", "") not in ("", "0")
     try:
         app(args=argv, standalone_mode=False)

@@ -1,0 +1,129 @@
+"""Build the serving engine from a profile and run the HTTP server, in the foreground or a thread.
+
+The policy is the one the trainer builds (:func:`orbitctl.builder.load_policy` over the profile's
+frozen quantized base, warm-started on the same task, so the cache serves the trained base);
+adapters given at start are loaded before the first request. :func:`start_background` runs the
+same server on a thread, for tests and for a trainer that samples from it over HTTP.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from orbitctl.errors import RunFailed, UserError
+from orbitctl.serve.engine import Engine, RequestError
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+def parse_adapter_arg(value: str) -> tuple[str, str]:
+    """``NAME=DIR`` or ``DIR`` (named after the directory: ``runs/x/adapter`` -> ``adapter``)."""
+    name, sep, path = value.partition("=")
+    if not sep:
+        name, path = Path(value).name or value, value
+    if not name or not path:
+        raise UserError(f"--adapter {value}: expected DIR or NAME=DIR", fix="e.g. --adapter step100=runs/x/adapter")
+    return name, path
+
+
+def build_engine(profile, adapters: list[tuple[str, str]] = (), *, max_waiting: int = 8) -> Engine:
+    """The profile's policy on its device, with ``adapters`` ((name, directory) pairs) loaded."""
+    import torch
+
+    from orbitctl.builder import load_policy, prepare_frozen_base
+    from orbitctl.data.prompts import load_prompts
+
+    split = load_prompts(profile.data, profile.run.seed)
+    torch.manual_seed(profile.run.seed)
+    policy = load_policy(profile, prepare_frozen_base(profile, split.warm_task))
+    context = int(getattr(policy.model.config, "max_position_embeddings", 0) or profile.memory.seq_len)
+    engine = Engine(policy, base_name=profile.name, adapter_kind=profile.adapter.kind, context=context,
+                    max_waiting=max_waiting)
+    for name, path in adapters:
+        try:
+            engine.load_adapter(name, path)
+        except RequestError as exc:
+            raise UserError(f"--adapter {name}={path}: {exc.message.partition(': ')[2]}",
+                            fix="Pass the adapter/ directory of a run of this profile") from exc
+    return engine
+
+
+def _server(engine: Engine, host: str, port: int, log_level: str):
+    import uvicorn
+
+    from orbitctl.serve.app import create_app
+
+    config = uvicorn.Config(create_app(engine), host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=5)
+    return uvicorn.Server(config)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"--host {host} --port {port}: cannot bind ({exc.strerror})",
+                        fix="pick a free port with --port, or stop what holds this one") from exc
+    return sock
+
+
+def serve(engine: Engine, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, on_ready=None) -> None:
+    """Serve ``engine`` until interrupted (Ctrl+C or SIGTERM end it cleanly)."""
+    sock = _bind(host, port)
+    if on_ready is not None:
+        on_ready(f"http://{host}:{sock.getsockname()[1]}/v1")
+    _server(engine, host, port, "warning").run(sockets=[sock])
+
+
+def serve_profile(profile_path: str, overrides: list[str], adapter_args: list[str], *, host: str = DEFAULT_HOST,
+                  port: int = DEFAULT_PORT, max_waiting: int = 8, on_ready=None) -> None:
+    """``orbitctl serve``: load the profile, build its engine with the ``--adapter`` values, serve it."""
+    from orbitctl.profile import load_profile
+
+    adapters = [parse_adapter_arg(a) for a in adapter_args]
+    for name, path in adapters:  # before the base is built: a typo should not cost a model load
+        if not Path(path).is_dir():
+            raise UserError(f"--adapter {name}={path}: no such directory",
+                            fix="Pass the adapter/ directory of a run (runs/NAME/adapter)")
+    profile = load_profile(profile_path, overrides)
+    engine = build_engine(profile, adapters, max_waiting=max_waiting)
+    names = ", ".join(m["id"] for m in engine.models())
+    serve(engine, host=host, port=port, on_ready=None if on_ready is None else
+          (lambda url: on_ready(f"serving {names} at {url}")))
+
+
+@dataclass
+class RunningServer:
+    """A server on a background thread; ``url`` ends in ``/v1`` (what the ``openai`` client takes)."""
+
+    url: str
+    server: object
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        """Ask the server to finish and wait for its thread."""
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def start_background(engine: Engine, *, host: str = DEFAULT_HOST, port: int = 0, ready_s: float = 30.0) -> RunningServer:
+    """Serve ``engine`` on a thread (port 0: a free one) and return once it accepts connections."""
+    sock = _bind(host, port)
+    server = _server(engine, host, sock.getsockname()[1], "error")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="orbitctl-serve")
+    thread.start()
+    deadline = time.monotonic() + ready_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RunFailed(f"the server on {host}:{sock.getsockname()[1]} did not start")
+        time.sleep(0.02)
+    return RunningServer(f"http://{host}:{sock.getsockname()[1]}/v1", server, thread)

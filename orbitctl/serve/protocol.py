@@ -1,0 +1,112 @@
+"""The request bodies the server accepts, shaped like OpenAI's (and vLLM's adapter endpoints).
+
+Every model forbids fields it does not know, so a sampling option the server does not honour is
+refused (422) instead of silently ignored. Bounds that do not depend on the loaded model are
+here; those that do (context, vocabulary) are checked by :mod:`orbitctl.serve.engine`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_N = 16
+"""Most completions one request may ask for."""
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per token a request may ask for (OpenAI's chat limit)."""
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    """The base's name or a loaded adapter's ``lora_name`` (``GET /v1/models`` lists them)."""
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    """0 is greedy; log-probs are those of the temperature-scaled distribution, as the trainer records them."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling: the smallest set of tokens whose mass reaches top_p."""
+    n: int = Field(1, ge=1, le=MAX_N)
+    """Completions of the one prompt; completion j draws from key j of ``seed``."""
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    """The keyed draws' seed; the same seed gives the same tokens (default: a fresh random one)."""
+    stop: Union[str, list[str], None] = None
+    """A completion is cut before the first of these strings (at most 4)."""
+    stream: bool = False
+    """Send server-sent events ``data: {...}`` chunks, one per token, then ``data: [DONE]``."""
+
+    @model_validator(mode="after")
+    def _check_stop(self):
+        stops = self.stop_list()
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop: give at most 4 non-empty strings")
+        return self
+
+    def stop_list(self) -> list[str]:
+        """``stop`` as a list."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: one prompt, text or token ids."""
+
+    prompt: Union[str, list[int]]
+    """The prompt as text (tokenized as the trainer tokenizes a prompt) or as token ids used as they are."""
+    max_tokens: int = Field(16, ge=1)
+    """Most tokens generated per completion; prompt + max_tokens must fit the base's context."""
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    """Return each token's log-prob and this many top alternatives."""
+    echo: Literal[False] = False
+    """Echoing the prompt is not supported; only false is accepted."""
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(_Sampling):
+    """``POST /v1/chat/completions``: turns rendered by the tokenizer's chat template, else plainly."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    """Most tokens generated per completion (default: what is left of the context)."""
+    max_completion_tokens: int | None = Field(None, ge=1)
+    """OpenAI's newer name for ``max_tokens``; give one or the other."""
+    logprobs: bool = False
+    """Return each token's log-prob."""
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    """Alternatives per token; needs ``logprobs: true``."""
+
+    @model_validator(mode="after")
+    def _check_chat(self):
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("max_tokens and max_completion_tokens: give one of them")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        return self
+
+    def token_budget(self) -> int | None:
+        """The requested completion length, whichever name carried it."""
+        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+
+
+class LoadLoraRequest(BaseModel):
+    """``POST /v1/load_lora_adapter``, as vLLM takes it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter``, as vLLM takes it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)

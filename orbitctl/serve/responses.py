@@ -1,0 +1,85 @@
+"""A :class:`~orbitctl.serve.engine.Generation` in OpenAI's response shapes, whole or as stream chunks.
+
+Completions carry ``logprobs.{tokens, token_logprobs, top_logprobs, text_offset}``; chat carries
+``logprobs.content[].{token, logprob, bytes, top_logprobs}``. Both add vLLM's token-id extras:
+``prompt_token_ids`` on the response and ``token_ids`` on every choice (EOS included when it was
+generated), so a trainer can use the exact tokens without re-tokenizing the text.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from orbitctl.serve.engine import Choice, Generation, TokenInfo
+
+
+def _piece(choice: Choice, token: TokenInfo) -> str:
+    """The token's text, cut where the completion was cut by a stop string."""
+    return choice.text[token.offset:token.offset + len(token.text)]
+
+
+def _usage(gen: Generation) -> dict:
+    completion = sum(len(c.tokens) for c in gen.choices)
+    return {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": completion,
+            "total_tokens": len(gen.prompt_ids) + completion}
+
+
+def _completion_logprobs(choice: Choice, tokens: list[TokenInfo], with_top: bool) -> dict:
+    return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [dict(t.top) for t in tokens] if with_top else None,
+            "text_offset": [t.offset for t in tokens]}
+
+
+def _chat_entry(token: TokenInfo) -> dict:
+    return {"token": token.token, "logprob": token.logprob, "bytes": list(token.token.encode()),
+            "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())} for s, v in token.top]}
+
+
+def _head(kind: str, gen: Generation) -> dict:
+    return {"id": f"{'cmpl' if kind == 'text_completion' else 'chatcmpl'}-{uuid.uuid4().hex}", "object": kind,
+            "created": int(time.time()), "model": gen.model, "system_fingerprint": f"orbitctl-seed-{gen.seed}"}
+
+
+def completion(gen: Generation, logprobs: int | None) -> dict:
+    """The body of a ``POST /v1/completions`` answer."""
+    choices = [{"index": i, "text": c.text, "finish_reason": c.finish_reason, "token_ids": [t.id for t in c.tokens],
+                "logprobs": None if logprobs is None else _completion_logprobs(c, c.tokens, logprobs > 0)}
+               for i, c in enumerate(gen.choices)]
+    return {**_head("text_completion", gen), "choices": choices, "prompt_token_ids": gen.prompt_ids,
+            "usage": _usage(gen)}
+
+
+def chat(gen: Generation, logprobs: bool) -> dict:
+    """The body of a ``POST /v1/chat/completions`` answer."""
+    choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
+                "finish_reason": c.finish_reason, "token_ids": [t.id for t in c.tokens],
+                "logprobs": {"content": [_chat_entry(t) for t in c.tokens]} if logprobs else None}
+               for i, c in enumerate(gen.choices)]
+    return {**_head("chat.completion", gen), "choices": choices, "prompt_token_ids": gen.prompt_ids,
+            "usage": _usage(gen)}
+
+
+def completion_chunks(gen: Generation, logprobs: int | None):
+    """The stream of a completion: one chunk per token and choice, then each choice's finish chunk."""
+    head = _head("text_completion", gen)
+    for i, c in enumerate(gen.choices):
+        for t in c.tokens:
+            lp = None if logprobs is None else _completion_logprobs(c, [t], logprobs > 0)
+            yield {**head, "choices": [{"index": i, "text": _piece(c, t), "finish_reason": None,
+                                        "token_ids": [t.id], "logprobs": lp}]}
+        yield {**head, "choices": [{"index": i, "text": "", "finish_reason": c.finish_reason, "token_ids": [],
+                                    "logprobs": None}]}
+
+
+def chat_chunks(gen: Generation, logprobs: bool):
+    """The stream of a chat completion: the role, one delta per token, then each choice's finish chunk."""
+    head = {**_head("chat.completion", gen), "object": "chat.completion.chunk"}
+    for i, c in enumerate(gen.choices):
+        yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                    "finish_reason": None, "logprobs": None}]}
+        for t in c.tokens:
+            yield {**head, "choices": [{"index": i, "delta": {"content": _piece(c, t)}, "finish_reason": None,
+                                        "token_ids": [t.id],
+                                        "logprobs": {"content": [_chat_entry(t)]} if logprobs else None}]}
+        yield {**head, "choices": [{"index": i, "delta": {}, "finish_reason": c.finish_reason, "logprobs": None}]}

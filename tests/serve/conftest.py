@@ -1,0 +1,34 @@
+"""One server for the whole directory: the demo profile's engine on a free loopback port, on a thread."""
+
+from pathlib import Path
+
+import pytest
+
+DEMO = Path(__file__).resolve().parents[2] / "profiles" / "tiny-cpu.yaml"
+
+
+@pytest.fixture(scope="session")
+def engine(model_cache):
+    """The demo profile's serving engine (its base built into the session cache)."""
+    from orbitctl.profile import load_profile
+    from orbitctl.serve.api import build_engine
+
+    return build_engine(load_profile(DEMO))
+
+
+@pytest.fixture(scope="session")
+def server(engine):
+    """The running server; ``server.url`` ends in /v1."""
+    from orbitctl.serve.api import start_background
+
+    running = start_background(engine)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    """The real ``openai`` client pointed at the server."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
