@@ -22,6 +22,7 @@ from orbitctl.evals.passk import Estimate, estimate
 from orbitctl.evals.runner import HUMANEVAL_STOP, ProgressFn, Sampling, build_policy, generate, grade
 from orbitctl.evals.samples import Sample, read_samples, write_results
 from orbitctl.evals.suites import load_suite
+from orbitctl.profile.support import EVAL, given_keys, refuse_unsupported
 
 GREEDY = 0.0
 SAMPLED_TEMPERATURE = 0.8
@@ -91,17 +92,6 @@ def _ks(k: list[int] | None, samples: int) -> list[int]:
     return [1, 10] if samples >= 10 else [1]
 
 
-def _refuse_engine_keys(profile) -> None:
-    """Profile values the infer path here would not carry out."""
-    if profile.rollout.engine != "shared":
-        raise UserError(f"rollout.engine: {profile.rollout.engine} is not what eval samples from: it runs orbitctl's "
-                        f"own infer path", fix="Set rollout.engine: shared, or grade the engine's own output with "
-                                               "--completions FILE")
-    if profile.rollout.kv_dtype != "bf16":
-        raise UserError(f"rollout.kv_dtype: {profile.rollout.kv_dtype} is not built by eval: its infer path keeps the "
-                        f"KV cache in quant.compute_dtype", fix="Set rollout.kv_dtype: bf16")
-
-
 def evaluate(profile_path: str | None, overrides: list[str], *, suite: str = "humaneval", data: str | None = None,
              adapter: str | None = None, completions: str | None = None, samples: int | None = None,
              k: list[int] | None = None, temperature: float | None = None, max_new_tokens: int | None = None,
@@ -137,7 +127,7 @@ def evaluate(profile_path: str | None, overrides: list[str], *, suite: str = "hu
         sampling = _sampling(profile, task_suite.name, samples, temperature, max_new_tokens, ks)
         notes = ["greedy decoding with several samples: every sample of a task is the same"] if (
             sampling.samples > 1 and sampling.temperature == GREEDY) else []
-        _refuse_engine_keys(profile)
+        refuse_unsupported(profile, EVAL, given_keys(overrides))
         gen_start = time.perf_counter()
         policy = build_policy(profile, adapter)
         drawn = generate(policy, task_suite.items[:kept], sampling, base_only=adapter is None, on_progress=on_progress)

@@ -23,8 +23,12 @@ TRAIN = "train"
 VERIFY_INTERNAL = "verify-alignment"
 VERIFY_ROLLOUTS = "verify-alignment --rollouts"
 QUANTIZE = "quantize"
-COMMANDS = (TRAIN, VERIFY_INTERNAL, VERIFY_ROLLOUTS, QUANTIZE)
-_MODEL_RUNNING = (TRAIN, VERIFY_INTERNAL, VERIFY_ROLLOUTS)
+EVAL = "eval"
+SERVE = "serve"
+COMMANDS = (TRAIN, VERIFY_INTERNAL, VERIFY_ROLLOUTS, QUANTIZE, EVAL, SERVE)
+_MODEL_RUNNING = (TRAIN, VERIFY_INTERNAL, VERIFY_ROLLOUTS, EVAL, SERVE)
+_SAMPLING = (EVAL, SERVE)
+"""Commands that sample from orbitctl's own infer path, one completion per prompt."""
 
 
 class Unsupported(NamedTuple):
@@ -67,13 +71,20 @@ _RULES: tuple[_Rule, ...] = (
     _Rule("rollout.kv_dtype", (VERIFY_INTERNAL,), lambda v, p: v != "bf16",
           "is not built by the internal check: its infer path keeps the KV cache in quant.compute_dtype",
           "set rollout.kv_dtype: bf16, or compare an engine that stores fp8 KV with --rollouts FILE"),
-    _Rule("data.train", (VERIFY_INTERNAL,), lambda v, p: str(v).startswith("env:"),
-          "is an environment: the internal check compares the two paths on prompts, not on episodes",
-          "point data.eval (or data.train) at a prompt file for verify-alignment, or compare a run's metrics "
-          "with --run RUN_DIR"),
-    _Rule("rollout.max_turns", (VERIFY_INTERNAL,), lambda v, p: v != 1,
-          "plays episodes of several turns, and the internal check compares single completions",
-          "set rollout.max_turns: 1 for verify-alignment, or compare a run's metrics with --run RUN_DIR"),
+    _Rule("data.train", (VERIFY_INTERNAL, *_SAMPLING), lambda v, p: str(v).startswith("env:"),
+          "is an environment, and this command works on prompts, not on episodes",
+          "set data.train to a prompt file or builtin:NAME for this command; "
+          "verify-alignment --run RUN_DIR reads an episode run's metrics"),
+    _Rule("rollout.max_turns", (VERIFY_INTERNAL, *_SAMPLING), lambda v, p: v != 1,
+          "plays episodes of several turns, and this command samples single completions",
+          "set rollout.max_turns: 1 for this command; verify-alignment --run RUN_DIR reads an episode run's "
+          "metrics"),
+    _Rule("rollout.engine", _SAMPLING, lambda v, p: v == "separate",
+          "is not what this command samples from: it runs orbitctl's own infer path",
+          "set rollout.engine: shared, or grade the engine's own output with orbitctl eval --completions FILE"),
+    _Rule("rollout.kv_dtype", _SAMPLING, lambda v, p: v != "bf16",
+          "is not built by this command: its infer path keeps the KV cache in quant.compute_dtype",
+          "set rollout.kv_dtype: bf16"),
     _Rule("memory.expert_parallel", (TRAIN,), lambda v, p: v != 1 and p.quant.format not in ("int4", "fp8"),
           "splits the routed experts over ranks only when orbitctl loads them: quant.format int4 or fp8 "
           "(nf4/fp4 keep transformers' fused bf16 experts)",

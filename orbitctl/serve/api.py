@@ -88,6 +88,7 @@ def serve_profile(profile_path: str, overrides: list[str], adapter_args: list[st
                   port: int = DEFAULT_PORT, max_waiting: int = 8, on_ready=None) -> None:
     """``orbitctl serve``: load the profile, build its engine with the ``--adapter`` values, serve it."""
     from orbitctl.profile import load_profile
+    from orbitctl.profile.support import SERVE, given_keys, refuse_unsupported
 
     adapters = [parse_adapter_arg(a) for a in adapter_args]
     for name, path in adapters:  # before the base is built: a typo should not cost a model load
@@ -95,6 +96,7 @@ def serve_profile(profile_path: str, overrides: list[str], adapter_args: list[st
             raise UserError(f"--adapter {name}={path}: no such directory",
                             fix="Pass the adapter/ directory of a run (runs/NAME/adapter)")
     profile = load_profile(profile_path, overrides)
+    refuse_unsupported(profile, SERVE, given_keys(overrides))
     engine = build_engine(profile, adapters, max_waiting=max_waiting)
     names = ", ".join(m["id"] for m in engine.models())
     serve(engine, host=host, port=port, on_ready=None if on_ready is None else

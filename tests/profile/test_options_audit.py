@@ -248,3 +248,14 @@ def test_verify_alignment_flags_that_apply_reach_the_library(verify_calls):
     assert verify_calls[0]["engine_temperature"] == 2.0
     assert (verify_calls[1]["perturb"].layer, verify_calls[1]["perturb"].scale) == (1, 3.0)
     assert verify_calls[2]["logits_a"] == "a" and verify_calls[3]["engine_temperature"] == 1.0
+
+
+@pytest.mark.parametrize("command", ["eval", "serve"])
+def test_the_sampling_commands_refuse_what_their_infer_path_would_not_carry_out(command):
+    from orbitctl.profile import load_profile
+    from orbitctl.profile.support import unsupported_for
+
+    sets = ["rollout.engine=separate", "rollout.kv_dtype=fp8", "rollout.max_turns=3", "data.train=env:guess"]
+    found = unsupported_for(command, load_profile(TINY, sets))
+    assert sorted(u.key for u in found) == ["data.train", "rollout.engine", "rollout.kv_dtype", "rollout.max_turns"]
+    assert unsupported_for(command, load_profile(TINY)) == []
