@@ -179,8 +179,9 @@ def expert_forward(expert, act_fn, x: torch.Tensor, lora: BoundExpertLoRA | None
     the rows are padded to :func:`cpu_rows`.
     """
     rows = x.shape[0]
-    if x.device.type == "cpu" and cpu_rows(rows) != rows:
-        padded = torch.nn.functional.pad(x, (0, 0, 0, cpu_rows(rows) - rows))
+    grid = cpu_rows(rows) if x.device.type == "cpu" else rows
+    if grid != rows:
+        padded = torch.nn.functional.pad(x, (0, 0, 0, grid - rows))
         return _expert_rows(expert, act_fn, padded, lora, index)[:rows]
     return _expert_rows(expert, act_fn, x, lora, index)
 
