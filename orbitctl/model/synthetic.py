@@ -137,6 +137,7 @@ def _load_and_measure(rank: int, path: str, world: int, store: str, out: str) ->
     held = model_memory_bytes(model)["total"]
     Path(out, f"rank{rank}.json").write_text(json.dumps({"rss_rise": rise, "model_bytes": held}))
     if world > 1:
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -46,7 +46,10 @@ def train(profile, *, fresh: bool = False, steps: int | None = None, on_event: E
     emit = on_event if on_event is not None and rank == 0 else (lambda kind, payload: None)
     threads = torch.get_num_threads()
     try:
-        return run_loop(profile, fresh, emit, rank, world, torch)
+        result = run_loop(profile, fresh, emit, rank, world, torch)
+        if world > 1:  # no rank tears its connections down while another still talks to it
+            torch.distributed.barrier()
+        return result
     finally:
         if torch.get_num_threads() != threads:  # a resume runs on the run's own thread count
             torch.set_num_threads(threads)

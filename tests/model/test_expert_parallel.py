@@ -85,6 +85,7 @@ def _worker(rank: int, path: str, store: str, out: str) -> None:
             "held": held, "ep_layers": ep_layers, "floor": floor, "logits_err": logits_err, "infer_err": infer_err,
             "grad_rel_err": grad_err, "logit_absmax": float(ref_logits.abs().max()), "grads": len(ref_grads),
             "expert_grads": len(expert_grads[0]), "expert_grad_rel_err": expert_err}))
+        dist.barrier()  # both ranks are done with the group before either tears its connections down
     finally:
         dist.destroy_process_group()
 
