@@ -92,6 +92,10 @@ class LiveView:
                 output.info(f"{key}: read as {fmt}")
             for message in payload.get("warnings", []):
                 output.warn(message)
+        elif kind == "engine":
+            how = "started on loopback" if payload.get("started") else "attached"
+            output.info(f"rollout engine: {payload['url']} ({payload['api']} API, {how}); the adapter is hot-loaded "
+                        f"before each rollout")
         elif kind == "resume":
             output.info(f"resuming at step {payload['step']} from {payload['checkpoint']}")
         elif kind == "eval":

@@ -64,14 +64,6 @@ def under_launcher(env=None) -> bool:
     return "LOCAL_RANK" in env and "WORLD_SIZE" in env
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _replay(events: Path, on_event: Callable[[str, dict], None] | None, seen: int) -> int:
     """Hand the events rank 0 wrote since line ``seen`` to ``on_event``; returns the lines handled."""
     if on_event is None or not events.exists():
@@ -120,7 +112,9 @@ def launch_local(profile, options: dict, on_event, *, numa: bool) -> dict:
 
     where = LaunchDir.of(profile)
     where.prepare(profile, options)
-    port = _free_port()
+    from orbitctl.rl.engine import free_port
+
+    port = free_port()
     numa_options = None
     if numa:
         from torch.numa.binding import AffinityMode, NumaOptions

@@ -290,14 +290,37 @@ class RolloutSection(Section):
     """Sequences decoded at once per GPU; unset = micro_batch_size x group_size."""
     kv_dtype: Literal["bf16", "fp8"] = "bf16"
     """KV-cache dtype of the inference path."""
-    engine: Literal["shared", "separate"] = "shared"
-    """shared: rollout uses the trainer's own weights (orbitctl's infer path); separate: a colocated engine holds its own copy."""
+    engine: Literal["shared", "separate", "http"] = "shared"
+    """shared: rollout uses the trainer's own weights (orbitctl's infer path); separate: a colocated engine holds its
+    own copy (plan models it); http: an inference engine behind HTTP (vLLM, SGLang or ``orbitctl serve``) samples
+    every rollout with the adapter hot-loaded each step."""
+    engine_url: str | None = None
+    """The http engine to attach to (``http://HOST:PORT``); unset = train starts ``orbitctl serve`` on loopback."""
+    engine_api: Literal["vllm", "sglang"] = "vllm"
+    """How the http engine is called: vLLM's OpenAI API and ``/v1/load_lora_adapter``, or SGLang's native
+    ``/generate`` and ``/load_lora_adapter`` (``orbitctl serve`` speaks both)."""
+    engine_timeout_s: float = Field(120.0, gt=0.0, le=3600.0)
+    """Longest wait for one answer of the http engine."""
+    engine_retries: int = Field(3, ge=0, le=10)
+    """Retries of a failed http engine call (connection, timeout, 5xx, malformed answer), with backoff."""
     engine_tp: int = Field(1, ge=1)
     """Tensor-parallel size of a separate engine (MLA KV is replicated on every TP rank)."""
     engine_sleep: bool = True
     """A separate engine releases its weights and KV while the trainer updates (vLLM sleep mode)."""
     max_turns: int = Field(1, ge=1, le=64)
     """Actions per episode of a multi-turn rollout (data.train: env:NAME); 1 without an environment."""
+
+    @model_validator(mode="after")
+    def _http_engine(self) -> "RolloutSection":
+        given = sorted(k for k in ("engine_url", "engine_api", "engine_timeout_s", "engine_retries")
+                       if k in self.model_fields_set)
+        if self.engine != "http" and given:
+            raise ValueError(f"rollout.{given[0]}: configures an http engine, and rollout.engine is {self.engine}; "
+                             "set rollout.engine: http or remove it")
+        url = self.engine_url
+        if url is not None and not (url.startswith(("http://", "https://")) and len(url.split("://", 1)[1]) > 0):
+            raise ValueError(f"rollout.engine_url: {url!r} is not an http(s) URL; e.g. http://127.0.0.1:8000")
+        return self
 
 
 class DataSection(Section):

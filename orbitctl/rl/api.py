@@ -11,6 +11,8 @@ complete checkpoint; ``fresh=True`` starts over.
 
 from __future__ import annotations
 
+import contextlib
+
 from orbitctl.profile.support import TRAIN, given_keys, refuse_unsupported
 from orbitctl.rl.trainer import EventFn, TrainResult
 
@@ -46,7 +48,8 @@ def train(profile, *, fresh: bool = False, steps: int | None = None, on_event: E
     emit = on_event if on_event is not None and rank == 0 else (lambda kind, payload: None)
     threads = torch.get_num_threads()
     try:
-        result = run_loop(profile, fresh, emit, rank, world, torch)
+        with contextlib.ExitStack() as closing:  # what the loop starts for itself (an http engine) ends with it
+            result = run_loop(profile, fresh, emit, rank, world, torch, closing)
         if world > 1:  # no rank tears its connections down while another still talks to it
             torch.distributed.barrier()
         return result

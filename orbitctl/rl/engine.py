@@ -35,7 +35,7 @@ def _quiet_stdout():
         os.close(saved)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -56,7 +56,7 @@ def ensure_process_group() -> tuple[int, int]:
         if "RANK" not in os.environ:
             launcher_env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                             "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                            "MASTER_PORT": os.environ.get("MASTER_PORT", str(_free_port()))}
+                            "MASTER_PORT": os.environ.get("MASTER_PORT", str(free_port()))}
             _OWN_ENV.update({k: v for k, v in launcher_env.items() if k not in os.environ})
             os.environ.update(launcher_env)
         with _quiet_stdout():

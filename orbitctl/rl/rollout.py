@@ -91,8 +91,6 @@ def lockstep_chunks(policy, items: list, batch_size: int):
 def collect(policy, items, reward_fn, *, group_size: int, batch_size: int, max_new_tokens: int,
             temperature: float, top_p: float, generator, keep_dist: bool, keys=None) -> RolloutBatch:
     """One step's experience for ``items``; ``keys`` as in :func:`sample_groups`."""
-    import torch
-
     start = time.perf_counter()
     expanded, parts = sample_groups(policy, items, group_size=group_size, batch_size=batch_size,
                                     max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
@@ -104,12 +102,20 @@ def collect(policy, items, reward_fn, *, group_size: int, batch_size: int, max_n
     dist = _pad_right([p.dist for p in parts], 0.0) if keep_dist else None
     prompt_ids = _pad_left([p.prompt_ids for p in parts], pad)
     prompt_mask = _pad_left([p.prompt_mask for p in parts], 0)
-    completions = policy.decode(completion_ids, completion_mask)
+    return rewarded(policy, expanded, (prompt_ids, prompt_mask), (completion_ids, completion_mask), logprobs, dist,
+                    reward_fn, start)
+
+
+def rewarded(policy, expanded, prompts, completions, logprobs, dist, reward_fn, start: float) -> RolloutBatch:
+    """The batch of sampled ``(ids, mask)`` pairs with its texts and rewards; the rollout timed from ``start``."""
+    import torch
+
+    texts = policy.decode(*completions)
     rollout_s = time.perf_counter() - start
     start = time.perf_counter()
-    rewards = torch.tensor(reward_fn(completions, expanded), dtype=torch.float32)
-    return RolloutBatch(expanded, prompt_ids, prompt_mask, completion_ids, completion_mask, logprobs, dist,
-                        completions, rewards, rollout_s, time.perf_counter() - start)
+    rewards = torch.tensor(reward_fn(texts, expanded), dtype=torch.float32)
+    return RolloutBatch(expanded, *prompts, *completions, logprobs, dist, texts, rewards, rollout_s,
+                        time.perf_counter() - start)
 
 
 def evaluate(policy, items: list[PromptItem], reward_fn, *, batch_size: int, max_new_tokens: int, generator) -> dict:

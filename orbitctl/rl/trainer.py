@@ -105,8 +105,9 @@ class _Evaluator:
                 "eval_reward": _all_reduce_sum(out["reward_sum"]) / total, "eval_prompts": int(total)}
 
 
-def run_loop(profile, fresh, emit, rank, world, torch) -> TrainResult:
-    """The loop itself, on one rank of an initialised process group (:func:`orbitctl.rl.api.train` sets it up)."""
+def run_loop(profile, fresh, emit, rank, world, torch, closing) -> TrainResult:
+    """The loop itself, on one rank of an initialised process group (:func:`orbitctl.rl.api.train` sets it up);
+    ``closing`` (an ExitStack) ends what the loop starts, such as an http engine, when the run ends."""
     from orbitctl.builder import load_policy, prepare_frozen_base
     from orbitctl.quant.report import quant_summary
     from orbitctl.rl import checkpoint as ckpt
@@ -182,6 +183,7 @@ def run_loop(profile, fresh, emit, rank, world, torch) -> TrainResult:
     if rank == 0:
         atomic_write_json(summary_path, {"eval_before": eval_before, "status": "running", "step": step})
 
+    http = _http_rollout(profile, run, policy, rank, closing, emit) if profile.rollout.engine == "http" else None
     health = HealthMonitor(_memory_limit(profile))
     last: dict = {}
     # the full infer distribution is kept for the align loss only while it stays small
@@ -193,7 +195,9 @@ def run_loop(profile, fresh, emit, rank, world, torch) -> TrainResult:
         positions, items = zip(*stream.next_step(rl.prompts_per_step))
         with meter.phase("rollout"):
             # draws keyed by each sequence's place in the run: the same tokens on 1 rank or N
-            if env is not None:
+            if http is not None:
+                batch = http.collect(step, list(items), reward_fn, positions)
+            elif env is not None:
                 batch = collect_episodes(policy, env, list(items), group_size=rl.group_size,
                                          batch_size=profile.rollout_batch_size, max_turns=profile.rollout.max_turns,
                                          max_new_tokens=max_new, temperature=profile.rollout.temperature,
@@ -263,6 +267,43 @@ def run_loop(profile, fresh, emit, rank, world, torch) -> TrainResult:
     if rank == 0:
         atomic_write_json(summary_path, {**result.to_dict(), "status": "finished"})
     return result
+
+
+class _HttpRollout:
+    """``rollout.engine: http``: the adapter published to the engine before each rollout, the rollout sampled there."""
+
+    def __init__(self, engine, sync, policy, profile) -> None:
+        self.engine, self.sync, self.policy, self.profile = engine, sync, policy, profile
+
+    def collect(self, step: int, items: list, reward_fn, positions):
+        from orbitctl.rl.engine_http import collect_http
+
+        ro, rl = self.profile.rollout, self.profile.rl
+        model = self.sync.publish(step)
+        return collect_http(self.engine, model, self.policy, items, reward_fn, group_size=rl.group_size,
+                            batch_size=self.profile.rollout_batch_size, max_new_tokens=ro.max_new_tokens,
+                            temperature=ro.temperature, top_p=ro.top_p, seed=self.profile.run.seed,
+                            positions=positions)
+
+
+def _http_rollout(profile, run: RunDir, policy, rank: int, closing, emit) -> _HttpRollout:
+    """The engine client for ``rollout.engine: http``: attached to ``rollout.engine_url``, or to an ``orbitctl serve``
+    that rank 0 starts on loopback over the run's own profile (stopped when the run ends)."""
+    import torch.distributed as dist
+
+    from orbitctl.rl.engine_http import AdapterSync, HttpEngine, ServeProcess, process_tag
+
+    ro = profile.rollout
+    box = [ro.engine_url]
+    if ro.engine_url is None and rank == 0:
+        box = [closing.enter_context(ServeProcess(run.profile, run.root / "engine.log")).url]
+    dist.broadcast_object_list(box, src=0)
+    url = box[0]
+    engine = HttpEngine(url, ro.engine_api, vocab_size=int(policy.model.config.vocab_size), timeout_s=ro.engine_timeout_s,
+                        retries=ro.engine_retries)
+    emit("engine", {"url": url, "api": ro.engine_api, "started": ro.engine_url is None})
+    return _HttpRollout(engine, AdapterSync(engine, policy, run.root, profile.name, process_tag(rank), rank), policy,
+                        profile)
 
 
 def _environment(profile):

@@ -14,10 +14,13 @@ import logging
 
 from orbitctl.serve import responses
 from orbitctl.serve.engine import Engine, RequestError
-from orbitctl.serve.protocol import ChatRequest, CompletionRequest, LoadLoraRequest, UnloadLoraRequest
+from orbitctl.serve.protocol import (ChatRequest, CompletionRequest, LoadLoraRequest, SGLangGenerateRequest,
+                                     SGLangLoadLoraRequest, UnloadLoraRequest)
 
 MAX_BODY_BYTES = 1 << 20
 """Largest request body accepted (1 MiB: far above any prompt that fits a context)."""
+MAX_BATCH_ROWS = 1024
+"""Most completions one batched request may ask for (prompts x n)."""
 
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
           422: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error"}
@@ -119,17 +122,50 @@ def create_app(engine: Engine, *, max_body_bytes: int = MAX_BODY_BYTES):
 
     @app.post("/v1/completions")
     def completions(body: CompletionRequest):
-        if isinstance(body.prompt, str):
-            ids = engine.encode_text(body.prompt)
-        else:
-            ids = list(body.prompt)
+        as_ids = body.return_tokens_as_token_ids
+        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], list):
+            prompts = [list(p) for p in body.prompt]
+            if body.stream:
+                raise RequestError("stream: a batch of prompts is answered whole; send one prompt to stream",
+                                   param="stream")
+            if len(prompts) * body.n > MAX_BATCH_ROWS:
+                raise RequestError(f"prompt: {len(prompts)} prompts x n={body.n} exceed {MAX_BATCH_ROWS} completions "
+                                   f"per request", param="prompt")
+            max_tokens = min(engine.check_ids(p, body.max_tokens, f"prompt[{i}]") for i, p in enumerate(prompts))
+            gens = engine.generate_batch(body.model, prompts, max_tokens=max_tokens, temperature=body.temperature,
+                                         top_p=body.top_p, n=body.n, seed=body.seed, top_logprobs=body.logprobs or 0,
+                                         stop=body.stop_list())
+            return responses.completion(gens, body.logprobs, as_ids)
+        ids = engine.encode_text(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         max_tokens = engine.check_ids(ids, body.max_tokens, "prompt")
         gen = engine.generate(body.model, ids, max_tokens=max_tokens, temperature=body.temperature,
                               top_p=body.top_p, n=body.n, seed=body.seed, top_logprobs=body.logprobs or 0,
                               stop=body.stop_list())
         if body.stream:
-            return sse(responses.completion_chunks(gen, body.logprobs))
-        return responses.completion(gen, body.logprobs)
+            return sse(responses.completion_chunks(gen, body.logprobs, as_ids))
+        return responses.completion(gen, body.logprobs, as_ids)
+
+    @app.post("/generate")
+    def sglang_generate(body: SGLangGenerateRequest):
+        prompts, sp = body.batch(), body.sampling_params
+        if len(prompts) * sp.n > MAX_BATCH_ROWS:
+            raise RequestError(f"input_ids: {len(prompts)} prompts x n={sp.n} exceed {MAX_BATCH_ROWS} completions "
+                               f"per request", param="input_ids")
+        max_tokens = min(engine.check_ids(p, sp.max_new_tokens, "input_ids") for p in prompts)
+        gens = engine.generate_batch(body.lora_path or engine.base_name, prompts, max_tokens=max_tokens,
+                                     temperature=sp.temperature, top_p=sp.top_p, n=sp.n, seed=sp.sampling_seed,
+                                     top_logprobs=body.top_logprobs_num if body.return_logprob else 0, stop=[])
+        return responses.sglang_generate(gens, body.return_logprob, body.top_logprobs_num)
+
+    @app.post("/load_lora_adapter")
+    def sglang_load_lora_adapter(body: SGLangLoadLoraRequest):
+        engine.load_adapter(body.lora_name, body.lora_path)
+        return {"success": True, "error_message": "", "loaded_adapters": {n: a["path"] for n, a in engine.adapters.items()}}
+
+    @app.post("/unload_lora_adapter")
+    def sglang_unload_lora_adapter(body: UnloadLoraRequest):
+        engine.unload_adapter(body.lora_name)
+        return {"success": True, "error_message": "", "loaded_adapters": {n: a["path"] for n, a in engine.adapters.items()}}
 
     @app.post("/v1/chat/completions")
     def chat_completions(body: ChatRequest):

@@ -50,6 +50,8 @@ class TokenInfo:
     """Where ``text`` starts in the completion."""
     top: list[tuple[str, float]] = field(default_factory=list)
     """The most likely tokens at this position, best first."""
+    top_ids: list[int] = field(default_factory=list)
+    """The ids of ``top``, in the same order."""
 
 
 @dataclass(frozen=True)
@@ -213,19 +215,30 @@ class Engine:
                  n: int, seed: int | None, top_logprobs: int, stop: list[str]) -> Generation:
         """``n`` completions of ``prompt_ids`` on the infer path (:meth:`Policy.sample`); completion j draws
         from key j of ``seed`` (:class:`~orbitctl.model.draws.KeyedDraws`), so it does not depend on n."""
+        return self.generate_batch(model, [prompt_ids], max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                   n=n, seed=seed, top_logprobs=top_logprobs, stop=stop)[0]
+
+    def generate_batch(self, model: str, prompts: list[list[int]], *, max_tokens: int, temperature: float,
+                       top_p: float, n: int, seed: int | None, top_logprobs: int, stop: list[str]) -> list[Generation]:
+        """``n`` completions of each prompt, decoded as one left-padded batch (as the trainer decodes a rollout
+        chunk); completion j of prompt i draws from key ``i * n + j`` of ``seed``."""
         import torch
 
         from orbitctl.model.draws import KeyedDraws
 
         seed = secrets.randbelow(2**63) if seed is None else seed
-        ids = torch.tensor([prompt_ids] * n, dtype=torch.long)
+        rows = [p for p in prompts for _ in range(n)]
+        width = max(len(p) for p in rows)
+        pad = self.policy.pad_id
+        ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in rows], dtype=torch.long)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], dtype=torch.long)
         with self._slot():
             with self._using(model):
-                out = self.policy.sample(ids, torch.ones_like(ids), max_new_tokens=max_tokens, temperature=temperature,
+                out = self.policy.sample(ids, mask, max_new_tokens=max_tokens, temperature=temperature,
                                          top_p=top_p, generator=None, keep_dist=top_logprobs > 0,
-                                         draws=KeyedDraws(seed, tuple(range(n))) if temperature > 0 else None)
-        choices = [self._choice(out, row, top_logprobs, stop, max_tokens) for row in range(n)]
-        return Generation(model, list(prompt_ids), choices, seed)
+                                         draws=KeyedDraws(seed, tuple(range(len(rows)))) if temperature > 0 else None)
+        return [Generation(model, list(p), [self._choice(out, i * n + j, top_logprobs, stop, max_tokens)
+                                            for j in range(n)], seed) for i, p in enumerate(prompts)]
 
     def _choice(self, out, row: int, top_logprobs: int, stop: list[str], max_tokens: int) -> Choice:
         tokenizer = self.policy.tokenizer
@@ -236,11 +249,12 @@ class Engine:
         for i, (tid, logp) in enumerate(zip(ids, logps)):
             # a token's text is what it adds to the decoded prefix: right for multi-token characters too
             full = tokenizer.decode(ids[:i + 1], skip_special_tokens=True)
-            top = []
+            top, top_ids = [], []
             if top_logprobs:
                 values, order = out.dist[row, i].topk(top_logprobs)
-                top = [(tokenizer.decode([t]), v) for t, v in zip(order.tolist(), values.tolist())]
-            tokens.append(TokenInfo(tid, full[len(text):], tokenizer.decode([tid]), logp, len(text), top))
+                top_ids = order.tolist()
+                top = [(tokenizer.decode([t]), v) for t, v in zip(top_ids, values.tolist())]
+            tokens.append(TokenInfo(tid, full[len(text):], tokenizer.decode([tid]), logp, len(text), top, top_ids))
             text = full
         ended = bool(ids) and ids[-1] == self.policy.eos_id
         cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=None)

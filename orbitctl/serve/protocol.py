@@ -52,14 +52,19 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: one prompt, text or token ids."""
 
-    prompt: Union[str, list[int]]
-    """The prompt as text (tokenized as the trainer tokenizes a prompt) or as token ids used as they are."""
+    prompt: Union[str, list[int], list[list[int]]]
+    """The prompt as text (tokenized as the trainer tokenizes a prompt), as token ids used as they are, or a batch
+    of token-id prompts (choice ``i * n + j`` is completion j of prompt i, decoded as one batch)."""
     max_tokens: int = Field(16, ge=1)
     """Most tokens generated per completion; prompt + max_tokens must fit the base's context."""
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     """Return each token's log-prob and this many top alternatives."""
     echo: Literal[False] = False
     """Echoing the prompt is not supported; only false is accepted."""
+    return_tokens_as_token_ids: bool = False
+    """vLLM's option: name every token in ``logprobs`` as ``token_id:N`` (exact ids, whatever the tokenizer)."""
+    return_token_ids: bool | None = None
+    """vLLM's option; ``token_ids`` and ``prompt_token_ids`` are returned on every choice either way."""
 
 
 class ChatMessage(BaseModel):
@@ -110,3 +115,48 @@ class UnloadLoraRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     lora_name: str = Field(min_length=1)
+
+
+class SGLangSampling(BaseModel):
+    """``sampling_params`` of SGLang's ``/generate``: the subset the infer path carries out."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    sampling_seed: int | None = Field(None, ge=0, lt=2**63)
+    """The keyed draws' seed (SGLang's name); the same seed gives the same tokens."""
+
+
+class SGLangGenerateRequest(BaseModel):
+    """``POST /generate``, SGLang's native route: token ids in, ``meta_info.output_token_logprobs`` out."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_ids: Union[list[int], list[list[int]]]
+    """One prompt's ids or a batch of them (answer ``i * n + j``: completion j of prompt i)."""
+    sampling_params: SGLangSampling = Field(default_factory=SGLangSampling)
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    lora_path: str | None = None
+    """A loaded adapter's name (SGLang selects adapters by the name given at load); unset = the base."""
+    stream: Literal[False] = False
+    """Streaming the native route is not supported; only false is accepted."""
+
+    def batch(self) -> list[list[int]]:
+        """``input_ids`` as a list of prompts."""
+        ids = self.input_ids
+        return [list(ids)] if not ids or isinstance(ids[0], int) else [list(p) for p in ids]
+
+
+class SGLangLoadLoraRequest(BaseModel):
+    """``POST /load_lora_adapter``, as SGLang takes it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    pinned: bool = False
+    """SGLang's option (keep the adapter resident); every loaded adapter stays resident here."""

@@ -25,9 +25,15 @@ def _usage(gen: Generation) -> dict:
             "total_tokens": len(gen.prompt_ids) + completion}
 
 
-def _completion_logprobs(choice: Choice, tokens: list[TokenInfo], with_top: bool) -> dict:
-    return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [dict(t.top) for t in tokens] if with_top else None,
+def _completion_logprobs(choice: Choice, tokens: list[TokenInfo], with_top: bool, as_ids: bool = False) -> dict:
+    """OpenAI's completion ``logprobs``; ``as_ids`` names tokens ``token_id:N`` (vLLM's
+    ``return_tokens_as_token_ids``)."""
+    def name(token_id: int, text: str) -> str:
+        return f"token_id:{token_id}" if as_ids else text
+
+    return {"tokens": [name(t.id, t.token) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{name(i, s): v for i, (s, v) in zip(t.top_ids, t.top)} for t in tokens]
+            if with_top else None,
             "text_offset": [t.offset for t in tokens]}
 
 
@@ -41,13 +47,35 @@ def _head(kind: str, gen: Generation) -> dict:
             "created": int(time.time()), "model": gen.model, "system_fingerprint": f"orbitctl-seed-{gen.seed}"}
 
 
-def completion(gen: Generation, logprobs: int | None) -> dict:
-    """The body of a ``POST /v1/completions`` answer."""
-    choices = [{"index": i, "text": c.text, "finish_reason": c.finish_reason, "token_ids": [t.id for t in c.tokens],
-                "logprobs": None if logprobs is None else _completion_logprobs(c, c.tokens, logprobs > 0)}
-               for i, c in enumerate(gen.choices)]
-    return {**_head("text_completion", gen), "choices": choices, "prompt_token_ids": gen.prompt_ids,
-            "usage": _usage(gen)}
+def completion(gens: Generation | list[Generation], logprobs: int | None, as_ids: bool = False) -> dict:
+    """The body of a ``POST /v1/completions`` answer: one prompt's generation, or a batch's (choice
+    ``i * n + j`` is completion j of prompt i, each with its own ``prompt_token_ids``)."""
+    batch = gens if isinstance(gens, list) else [gens]
+    choices = [{"index": len(batch[0].choices) * g + i, "text": c.text, "finish_reason": c.finish_reason,
+                "token_ids": [t.id for t in c.tokens], "prompt_token_ids": gen.prompt_ids,
+                "logprobs": None if logprobs is None else _completion_logprobs(c, c.tokens, logprobs > 0, as_ids)}
+               for g, gen in enumerate(batch) for i, c in enumerate(gen.choices)]
+    body = {**_head("text_completion", batch[0]), "choices": choices}
+    if not isinstance(gens, list):
+        body["prompt_token_ids"] = gens.prompt_ids
+    usage = [_usage(gen) for gen in batch]
+    return {**body, "usage": {k: sum(u[k] for u in usage) for k in usage[0]}}
+
+
+def sglang_generate(gens: list[Generation], return_logprob: bool, top: int) -> dict | list[dict]:
+    """SGLang's ``/generate`` answer: one object for one prompt and one completion, else a list (completion j
+    of prompt i at ``i * n + j``); log-probs as ``[logprob, id, text]`` triples in ``meta_info``."""
+    out = []
+    for gen in gens:
+        for c in gen.choices:
+            meta = {"id": uuid.uuid4().hex, "prompt_tokens": len(gen.prompt_ids), "completion_tokens": len(c.tokens),
+                    "finish_reason": {"type": c.finish_reason}}
+            if return_logprob:
+                meta["output_token_logprobs"] = [[t.logprob, t.id, t.token] for t in c.tokens]
+                meta["output_top_logprobs"] = [[[v, i, s] for i, (s, v) in zip(t.top_ids, t.top)] for t in c.tokens] \
+                    if top else None
+            out.append({"text": c.text, "output_ids": [t.id for t in c.tokens], "meta_info": meta})
+    return out[0] if len(out) == 1 else out
 
 
 def chat(gen: Generation, logprobs: bool) -> dict:
@@ -60,12 +88,12 @@ def chat(gen: Generation, logprobs: bool) -> dict:
             "usage": _usage(gen)}
 
 
-def completion_chunks(gen: Generation, logprobs: int | None):
+def completion_chunks(gen: Generation, logprobs: int | None, as_ids: bool = False):
     """The stream of a completion: one chunk per token and choice, then each choice's finish chunk."""
     head = _head("text_completion", gen)
     for i, c in enumerate(gen.choices):
         for t in c.tokens:
-            lp = None if logprobs is None else _completion_logprobs(c, [t], logprobs > 0)
+            lp = None if logprobs is None else _completion_logprobs(c, [t], logprobs > 0, as_ids)
             yield {**head, "choices": [{"index": i, "text": _piece(c, t), "finish_reason": None,
                                         "token_ids": [t.id], "logprobs": lp}]}
         yield {**head, "choices": [{"index": i, "text": "", "finish_reason": c.finish_reason, "token_ids": [],

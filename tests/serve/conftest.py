@@ -32,3 +32,25 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def perturbed_adapter(engine):
+    """``perturbed_adapter(directory, scale)``: the live adapter saved with every factor moved by ``scale`` times
+    a fixed normal draw, then the live one put back; returns the directory."""
+    import torch
+
+    from orbitctl.model.adapters import save_adapter
+
+    def make(directory, scale):
+        with engine._lock, torch.no_grad():
+            saved = {n: p.detach().clone() for n, p in engine.policy.named_trainable()}
+            g = torch.Generator().manual_seed(int(scale * 1000))
+            for _, p in engine.policy.named_trainable():
+                p.add_(scale * torch.randn(p.shape, generator=g).to(p.dtype))
+            save_adapter(engine.policy.model, directory, "lora", engine.policy.hidden_size)
+            for n, p in engine.policy.named_trainable():
+                p.copy_(saved[n])
+        return str(directory)
+
+    return make

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from orbitctl.data.tasks import ChatPrompt
-from orbitctl.model.adapters import adapters_disabled, save_adapter
+from orbitctl.model.adapters import adapters_disabled
 from orbitctl.model.draws import KeyedDraws
 
 PROMPT = "+-M5:"
@@ -124,23 +124,9 @@ def test_stop_cuts_text_and_tokens(client):
     assert len(cut.model_extra["token_ids"]) == len(cut.logprobs.token_logprobs) == at  # one character a token
 
 
-def _perturbed_adapter(engine, directory, scale):
-    """Save the live adapter with every factor moved, then put the live one back."""
-    model = engine.policy.model
-    with engine._lock, torch.no_grad():
-        saved = {n: p.detach().clone() for n, p in engine.policy.named_trainable()}
-        g = torch.Generator().manual_seed(int(scale * 1000))
-        for _, p in engine.policy.named_trainable():
-            p.add_(scale * torch.randn(p.shape, generator=g).to(p.dtype))
-        save_adapter(model, directory, "lora", engine.policy.hidden_size)
-        for n, p in engine.policy.named_trainable():
-            p.copy_(saved[n])
-    return str(directory)
-
-
-def test_loaded_adapters_change_logprobs_and_swap_in_place(engine, server, client, tmp_path):
-    a = _perturbed_adapter(engine, tmp_path / "a", 0.5)
-    b = _perturbed_adapter(engine, tmp_path / "b", 1.0)
+def test_loaded_adapters_change_logprobs_and_swap_in_place(engine, server, client, tmp_path, perturbed_adapter):
+    a = perturbed_adapter(tmp_path / "a", 0.5)
+    b = perturbed_adapter(tmp_path / "b", 1.0)
     http = httpx.Client(base_url=server.url.removesuffix("/v1"), timeout=60)
     for name, path in (("a", a), ("b", b)):
         assert http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}).status_code == 200
