@@ -312,8 +312,9 @@ class RolloutSection(Section):
 
     @model_validator(mode="after")
     def _http_engine(self) -> "RolloutSection":
-        given = sorted(k for k in ("engine_url", "engine_api", "engine_timeout_s", "engine_retries")
-                       if k in self.model_fields_set)
+        # values other than the defaults: a profile dumped whole (every field set) still loads
+        given = [k for k in ("engine_url", "engine_api", "engine_timeout_s", "engine_retries")
+                 if getattr(self, k) != type(self).model_fields[k].default]
         if self.engine != "http" and given:
             raise ValueError(f"rollout.{given[0]}: configures an http engine, and rollout.engine is {self.engine}; "
                              "set rollout.engine: http or remove it")
