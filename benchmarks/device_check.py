@@ -10,6 +10,11 @@
    of width 2048, INT4 group 32, random weights written by orbitctl.model.synthetic), trained for two
    steps on a long micro-batch; each phase's measured peak (torch.cuda.max_memory_allocated, and the
    device's used memory from NVML) against what `orbitctl plan` predicts for the same profile.
+3. Where vLLM is installed: vLLM serves the tiny MoE's INT4 base (as `orbitctl quantize` wrote it,
+   compressed-tensors pack-quantized) with the adapter step 1 trained, loaded unmerged at run time
+   (POST /v1/load_lora_adapter); its sampled completions with log-probs go through
+   `orbitctl verify-alignment --rollouts` against the trainer's path. Skipped, and said so, without
+   vLLM; with --smoke the same step runs against `orbitctl serve` (which speaks vLLM's API).
 
 Prints one table at the end; never part of the test suite or CI.
 """
@@ -17,7 +22,13 @@ Prints one table at the end; never part of the test suite or CI.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 from phase_memory import memory_rows, print_rows, profile_file, slice_sets, train, write_slice
@@ -55,6 +66,7 @@ def main() -> None:
     rows.append(("tiny MoE train", f"{result['steps']} steps in {seconds:.0f} s; held-out {result['eval_before']} -> "
                                    f"{result['eval_after']}", "ok" if result["steps"] else "FAIL"))
     rows += memory_rows("tiny MoE", result["last_metrics"])
+    rows += engine_rows(work, Path(result["run_dir"]), Path(result["adapter_dir"]), args.smoke)
 
     # 2. the real-width slice
     width = dict(hidden=256, expert_width=128, experts=8, top_k=2) if args.smoke else \
@@ -71,6 +83,97 @@ def main() -> None:
     rows.append(("slice train", f"{result['steps']} steps in {seconds:.0f} s", "ok" if result["steps"] else "FAIL"))
     rows += memory_rows("slice", result["last_metrics"])
     print_rows(rows)
+
+
+ORBITCTL = [sys.executable, "-c", "import sys; from orbitctl.cli.app import main; sys.exit(main())"]
+
+
+def engine_rows(work: Path, run_dir: Path, adapter_dir: Path, smoke: bool) -> list[tuple[str, str, str]]:
+    """Step 3: an engine serves the run's base and adapter; verify-alignment --rollouts judges its samples."""
+    import importlib.util
+
+    from orbitctl.builder import prepare_frozen_base
+    from orbitctl.data.prompts import load_prompts
+    from orbitctl.profile import load_profile
+    from orbitctl.rl.engine import free_port
+
+    profile_path = run_dir / "profile.yaml"
+    profile = load_profile(str(profile_path))
+    if not smoke and importlib.util.find_spec("vllm") is None:
+        return [("vLLM step", "skipped: vllm is not installed here (pip install vllm)", "")]
+    split = load_prompts(profile.data, profile.run.seed)
+    base = prepare_frozen_base(profile, split.warm_task).quantized_dir  # cached by step 1
+    port = free_port()
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    if smoke:
+        command = [*ORBITCTL, "serve", str(profile_path), "--port", str(port)]
+        label = "orbitctl serve (smoke)"
+    else:
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(base), "--port",
+                   str(port), "--enable-lora", "--max-lora-rank", str(profile.adapter.rank), "--max-model-len", "512",
+                   "--return-tokens-as-token-ids", "--logprobs-mode", "processed_logprobs",
+                   "--gpu-memory-utilization", "0.5", "--enforce-eager"]
+        label = "vLLM"
+    log = work / "engine.log"
+    started = time.perf_counter()
+    with open(log, "wb") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        if not _wait_health(url, server, 900):
+            return [(f"{label} step", f"the engine did not start; see {log}", "FAIL")]
+        up = time.perf_counter() - started
+        _post(url + "/v1/load_lora_adapter", {"lora_name": "trained", "lora_path": str(adapter_dir.resolve())})
+        rollouts = work / "engine_rollouts.jsonl"
+        with open(rollouts, "w") as out:
+            for item in split.eval[:16]:
+                ids = [int(t) for t in _tokenizer(base)(item.prompt)["input_ids"]]
+                answer = _post(url + "/v1/completions", {
+                    "model": "trained", "prompt": ids, "n": 2, "max_tokens": profile.rollout.max_new_tokens,
+                    "temperature": 1.0, "seed": 0, "logprobs": 5, "return_tokens_as_token_ids": True})
+                out.write(json.dumps({"prompt_token_ids": ids, "response": answer}) + "\n")
+        done = subprocess.run([*ORBITCTL, "verify-alignment", str(profile_path), "--rollouts", str(rollouts),
+                               "--adapter", str(adapter_dir), "--json"], capture_output=True, text=True)
+        verdict = json.loads(done.stdout) if done.stdout.strip().startswith("{") else {}
+        figures = {"verdict": verdict.get("verdict"), "tokens": verdict.get("tokens"),
+                   **{g["name"]: g.get("value") for g in verdict.get("gates", []) if isinstance(g, dict) and "name" in g}}
+        return [(f"{label} step", f"engine up in {up:.0f} s; 16 prompts x 2 completions; verify-alignment --rollouts "
+                                  f"exit {done.returncode} {json.dumps(figures)}"
+                                  + ("" if done.returncode == 0 else f" {done.stderr.strip()[-300:]}"),
+                 "ok" if done.returncode == 0 else "FAIL")]
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def _tokenizer(base: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(base))
+
+
+def _wait_health(url: str, server: subprocess.Popen, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return True
+        except OSError:
+            time.sleep(0.5)
+    return False
+
+
+def _post(url: str, body: dict):
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as answer:
+        text = answer.read().decode()
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 if __name__ == "__main__":
