@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("data",),
     ("builder",),
     ("rl", "align", "doctor", "report"),
-    ("evals", "serve"),
+    ("evals", "serve", "export"),
     ("launch",),
     ("cli",),
 )

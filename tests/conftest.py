@@ -17,7 +17,7 @@ def model_cache(tmp_path_factory):
     return cache
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def write_demo_profile():
     """``write_demo_profile(path, {dotted.key: value})``: the demo profile with those values, written to path."""
 

@@ -28,7 +28,7 @@ def _register() -> None:
     from orbitctl.cli import profile as profile_cmd
 
     app.add_typer(profile_cmd.app, name="profile")
-    for module_name in ("plan", "quantize", "train", "verify_alignment", "doctor", "evaluate", "report", "serve"):
+    for module_name in ("plan", "quantize", "train", "verify_alignment", "doctor", "evaluate", "report", "serve", "export"):
         try:
             module = __import__(f"orbitctl.cli.{module_name}", fromlist=["register"])
         except ModuleNotFoundError as exc:

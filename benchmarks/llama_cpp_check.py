@@ -1,0 +1,64 @@
+"""llama.cpp reading `orbitctl export --format gguf` output, against orbitctl's train path.
+
+    .venv/bin/pip install llama-cpp-python      # builds llama.cpp from source (CMake)
+    .venv/bin/python benchmarks/llama_cpp_check.py [--prompts 16]
+
+Builds the demo model with an INT4 g32 base (cached in ORBITCTL_CACHE), gives its LoRA seeded random
+non-zero weights, saves that adapter, exports both to GGUF, and prints next-token distances
+(log-softmax L1, JS, max |dlogit|, top-1) between llama.cpp and the train path: with the adapter
+(llama.cpp's unmerged LoRA) and without it (the base alone, against the adapted train path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompts", type=int, default=16)
+    args = parser.parse_args()
+    from orbitctl.builder import load_policy, prepare_frozen_base
+    from orbitctl.data.prompts import load_prompts
+    from orbitctl.export.api import export
+    from orbitctl.export.compare import distances, held_out_sequences, train_path_logits
+    from orbitctl.export.llamacpp import llama_cpp_logits
+    from orbitctl.model.adapters import save_adapter
+    from orbitctl.profile import load_profile
+
+    work = Path(tempfile.mkdtemp(prefix="llama-cpp-check-"))
+    data = yaml.safe_load((ROOT / "profiles" / "tiny-cpu.yaml").read_text())
+    data["quant"].update({"format": "int4", "group_size": 32, "compute_dtype": "fp32"})
+    profile_path = work / "tiny-int4.yaml"
+    profile_path.write_text(yaml.safe_dump(data))
+    profile = load_profile(str(profile_path))
+    policy = load_policy(profile, prepare_frozen_base(profile, load_prompts(profile.data, profile.run.seed).warm_task),
+                         device="cpu")
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in policy.model.named_parameters():
+            if "lora_" in name:
+                param.copy_((torch.randn(param.shape, generator=gen) * 0.15).to(param.dtype))
+    save_adapter(policy.model, work / "adapter", "lora", policy.hidden_size)
+    result = export(str(profile_path), str(work / "gguf"), "gguf", adapter=str(work / "adapter"))
+    seqs = held_out_sequences(profile, policy, args.prompts)
+    train = train_path_logits(policy, seqs)
+    figures = {
+        "with_adapter": distances(train, llama_cpp_logits(work / "gguf" / "model.gguf", seqs,
+                                                          lora_path=work / "gguf" / "adapter.gguf")),
+        "without_adapter": distances(train, llama_cpp_logits(work / "gguf" / "model.gguf", seqs)),
+        "counts": result.counts,
+    }
+    print(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()

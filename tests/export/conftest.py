@@ -1,0 +1,59 @@
+"""The demo model with an INT4 g32 base, a trained-looking LoRA adapter, and its exports, built once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+INT4_G32 = {"quant.format": "int4", "quant.group_size": 32}
+
+
+@pytest.fixture(scope="session")
+def int4_profile(model_cache, tmp_path_factory, write_demo_profile) -> Path:
+    return write_demo_profile(tmp_path_factory.mktemp("export-profile") / "tiny-int4.yaml", INT4_G32)
+
+
+@pytest.fixture(scope="session")
+def policy(int4_profile):
+    """The demo policy (frozen INT4 g32 base + LoRA) with seeded random, non-zero LoRA weights."""
+    import torch
+
+    from orbitctl.builder import load_policy, prepare_frozen_base
+    from orbitctl.data.prompts import load_prompts
+    from orbitctl.profile import load_profile
+
+    profile = load_profile(str(int4_profile))
+    base = prepare_frozen_base(profile, load_prompts(profile.data, profile.run.seed).warm_task)
+    policy = load_policy(profile, base, device="cpu")
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in policy.model.named_parameters():
+            if "lora_" in name:  # B starts at zero; give both factors a size a short training run reaches
+                param.copy_((torch.randn(param.shape, generator=gen) * 0.15).to(param.dtype))
+    return policy
+
+
+@pytest.fixture(scope="session")
+def adapter_dir(policy, tmp_path_factory) -> Path:
+    from orbitctl.model.adapters import save_adapter
+
+    out = tmp_path_factory.mktemp("export-run") / "adapter"
+    save_adapter(policy.model, out, "lora", policy.hidden_size)
+    return out
+
+
+@pytest.fixture(scope="session")
+def gguf_export(int4_profile, adapter_dir, tmp_path_factory):
+    from orbitctl.export.api import export
+
+    out = tmp_path_factory.mktemp("export-gguf") / "gguf"
+    return export(str(int4_profile), str(out), "gguf", adapter=str(adapter_dir))
+
+
+@pytest.fixture(scope="session")
+def merged_export(int4_profile, adapter_dir, tmp_path_factory):
+    from orbitctl.export.api import export
+
+    out = tmp_path_factory.mktemp("export-merged") / "merged"
+    return export(str(int4_profile), str(out), "hf-merged", adapter=str(adapter_dir))
