@@ -8,7 +8,6 @@ from orbitctl.arch.catalog import builtin_config, builtin_names, resolve_name
 from orbitctl.arch.parse import SUPPORTED, arch_from_config
 from orbitctl.arch.spec import ArchSpec, Layer, Weight
 from orbitctl.errors import UserError
-from orbitctl.rundir import read_json
 
 __all__ = ["ArchSpec", "Layer", "Weight", "SUPPORTED", "arch_from_config", "builtin_arch",
            "load_config_file", "builtin_names"]
@@ -23,5 +22,8 @@ def builtin_arch(name: str) -> ArchSpec:
 
 
 def load_config_file(path: str | Path) -> dict:
-    """A model's config.json as a dict; a missing or malformed file names model.config and the fix."""
+    """A model's config.json as a dict; a missing or malformed file names model.config and the fix.
+    (orbitctl.rundir is imported here: a plan of a built-in architecture never reads a file through it.)"""
+    from orbitctl.rundir import read_json
+
     return read_json(path, what="config.json", key="model.config", fix="point model.config at the model's config.json")

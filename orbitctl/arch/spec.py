@@ -50,14 +50,17 @@ class Layer:
     moe: bool
     weights: tuple[Weight, ...]
 
-    @property
+    @cached_property
     def params(self) -> int:
         return sum(w.numel for w in self.weights if w.parameter)
 
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """A model's shapes and counts, parsed from a Hugging Face config.json."""
+    """A model's shapes and counts, parsed from a Hugging Face config.json.
+
+    The counts are cached on first use: a spec never changes, and the planner reads them in every one of the
+    evaluations of a plan (the micro-batch search, the advice and layout re-plans)."""
 
     name: str
     model_type: str
@@ -130,16 +133,16 @@ class ArchSpec:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
-    @property
+    @cached_property
     def moe_layers(self) -> int:
         return sum(1 for layer in self.layers if layer.moe)
 
-    @property
+    @cached_property
     def largest_layer_params(self) -> int:
         """The largest decoder layer with all its experts: what ZeRO-3 gathers at once."""
         return max(layer.params for layer in self.layers)
 
-    @property
+    @cached_property
     def largest_module_params(self) -> int:
         """The largest single module's own weight (DeepSpeed's `largest_layer_params`)."""
         return max(w.numel for _, w in self.all_weights() if w.parameter and w.copies == 1)

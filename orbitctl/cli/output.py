@@ -10,10 +10,24 @@ import json
 import sys
 from typing import Any
 
-from rich.console import Console
+_CONSOLES: dict[str, Any] = {}
 
-stdout = Console(soft_wrap=False)
-stderr = Console(stderr=True, soft_wrap=False)
+
+def console(stream: str):
+    """The rich Console on ``stream`` ("stdout" or "stderr"), made at its first use: importing rich.console
+    takes longer than a whole ``plan --json``, whose output never goes through rich."""
+    if stream not in _CONSOLES:
+        from rich.console import Console
+
+        _CONSOLES[stream] = Console(stderr=stream == "stderr", soft_wrap=False)
+    return _CONSOLES[stream]
+
+
+def __getattr__(name: str) -> Any:
+    """``output.stdout`` and ``output.stderr``: the two consoles, made when first read."""
+    if name in ("stdout", "stderr"):
+        return console(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def emit_json(document: Any) -> None:
@@ -34,23 +48,23 @@ def _json_default(value: Any) -> Any:
 
 def show(renderable: Any) -> None:
     """Print a table or text on stdout."""
-    stdout.print(renderable)
+    console("stdout").print(renderable)
 
 
 def info(message: str) -> None:
     """A message for the person at the terminal, on stderr."""
-    stderr.print(message, highlight=False)
+    console("stderr").print(message, highlight=False)
 
 
 def warn(message: str) -> None:
-    stderr.print(f"[yellow]Warning:[/yellow] {message}", highlight=False)
+    console("stderr").print(f"[yellow]Warning:[/yellow] {message}", highlight=False)
 
 
 def error(message: str) -> None:
     """``Error: ...`` lines on stderr; markup is not interpreted so file paths print as given."""
     for i, line in enumerate(message.splitlines() or [""]):
         prefix = "Error: " if i == 0 else "       "
-        stderr.print(prefix + line, markup=False, highlight=False, soft_wrap=True)
+        console("stderr").print(prefix + line, markup=False, highlight=False, soft_wrap=True)
 
 
 STATUS_STYLE = {"FAIL": "bold red", "WARN": "yellow", "UNKNOWN": "magenta", "INFO": "cyan", "PASS": "green",
@@ -78,7 +92,7 @@ class _Bar:
         if self.bar is None:
             from rich.progress import Progress
 
-            self.bar = Progress("[progress.description]{task.description}", *self.columns, console=stderr,
+            self.bar = Progress("[progress.description]{task.description}", *self.columns, console=console("stderr"),
                                 transient=True)
             self.bar.start()
             self.task = self.bar.add_task(description or self.description, total=total)
@@ -139,7 +153,7 @@ class LiveLine:
     def __init__(self) -> None:
         from rich.live import Live
 
-        self.live = Live(console=stderr, refresh_per_second=4, transient=True)
+        self.live = Live(console=console("stderr"), refresh_per_second=4, transient=True)
         self.started = False
 
     def update(self, text: str) -> None:

@@ -76,7 +76,7 @@ def plan(
 
 def _line(markup: str) -> None:
     """One line, never wrapped: verdicts and --set flags must stay copy-pasteable."""
-    output.stdout.print(markup, soft_wrap=True, highlight=False)
+    output.console("stdout").print(markup, soft_wrap=True, highlight=False)
 
 
 def _render(result) -> None:

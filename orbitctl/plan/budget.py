@@ -11,6 +11,7 @@ step sends are ``comm.py``'s and the seconds it takes ``timing.py``'s; both ride
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from orbitctl.arch.spec import ArchSpec
 from orbitctl.plan.activations import ActivationSettings, train_activations
@@ -18,6 +19,7 @@ from orbitctl.plan.adapters import AdapterPlan, plan_adapters
 from orbitctl.plan.comm import (all_to_all_buffers, bytes_text, communication, compute_dtype_bytes, decoded_tokens,
                                 prompt_tokens, rollout_batch)
 from orbitctl.plan.layout import Layout, gather_units, gather_window, host_base, layout_of, resident_base
+from orbitctl.plan.memo import Same, Values
 from orbitctl.plan.result import MemoryPlan
 from orbitctl.plan.states import model_states
 from orbitctl.plan.timing import step_time
@@ -53,7 +55,15 @@ class Inputs:
 
 
 def prepare(profile, arch: ArchSpec) -> Inputs:
-    return Inputs(arch, base_storage(arch, profile.quant, profile.model.dtype), plan_adapters(arch, profile.adapter))
+    """The Inputs of ``profile`` on ``arch``, one per architecture and quant, model dtype and adapter values: the
+    re-plans of the advice, the layouts and the node count mostly change other sections and share them."""
+    return _inputs(Same(arch), Values(profile.quant), profile.model.dtype, Values(profile.adapter))
+
+
+@lru_cache(maxsize=32)
+def _inputs(arch_key: Same, quant: Values, model_dtype: str, adapter: Values) -> Inputs:
+    arch = arch_key.obj
+    return Inputs(arch, base_storage(arch, quant.section, model_dtype), plan_adapters(arch, adapter.section))
 
 
 def gpu_capacity(profile, override: int | None = None) -> int:

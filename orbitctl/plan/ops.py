@@ -12,8 +12,10 @@ them with the check against a TorchDispatchMode count of the tiny profiles. Impo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from orbitctl.arch.spec import EXPERT, ROUTER, ArchSpec
+from orbitctl.plan.memo import Same, Values
 from orbitctl.plan.storage import is_quantized
 
 OPS_NORM = 8
@@ -68,13 +70,22 @@ class OpCounts:
         return self.dense + self.per_expert * experts_hit
 
 
-def _linear_ops(weight, profile, adapted: bool) -> float:
-    quantized = is_quantized(weight, profile.quant)
-    return OPS_LINEAR + (OPS_DEQUANT[profile.quant.format] if quantized else 0) + (OPS_LORA if adapted else 0)
+def _linear_ops(weight, quant, adapted: bool) -> float:
+    quantized = is_quantized(weight, quant)
+    return OPS_LINEAR + (OPS_DEQUANT[quant.format] if quantized else 0) + (OPS_LORA if adapted else 0)
 
 
 def op_counts(profile, arch: ArchSpec, adapters=None) -> OpCounts:
-    """The ops of one forward of ``arch`` as ``profile`` stores and adapts it (``adapters``: an AdapterPlan)."""
+    """The ops of one forward of ``arch`` as ``profile`` stores and adapts it (``adapters``: an AdapterPlan).
+
+    Counted once per architecture, adapter plan, quant section and GPU: a plan evaluates the same ones many
+    times (the micro-batch search, the re-plans of the advice and layouts), and the count visits every weight."""
+    return _op_counts(Same(arch), Same(adapters), Values(profile.quant), profile.hardware.gpu)
+
+
+@lru_cache(maxsize=64)
+def _op_counts(arch_key: Same, adapters_key: Same, quant_key: Values, gpu: str) -> OpCounts:
+    arch, adapters, quant = arch_key.obj, adapters_key.obj, quant_key.section
     adapted = adapters.adapted if adapters is not None else frozenset()
     dense = float(OPS_MODEL + OPS_NORM)  # + the final norm
     per_expert = 0.0
@@ -85,7 +96,7 @@ def op_counts(profile, arch: ArchSpec, adapters=None) -> OpCounts:
         for w in layer.weights:
             if not w.linear:
                 continue
-            ops = _linear_ops(w, profile, (layer.index, w.name) in adapted)
+            ops = _linear_ops(w, quant, (layer.index, w.name) in adapted)
             if w.kind == EXPERT:
                 per_expert += ops  # one projection of one expert; summed over the MoE layers
             elif w.kind != ROUTER:
@@ -94,7 +105,7 @@ def op_counts(profile, arch: ArchSpec, adapters=None) -> OpCounts:
         per_expert = per_expert / max(arch.moe_layers, 1) + OPS_EXPERT + OPS_MLP
         from orbitctl.profile.gpus import resolve_gpu
 
-        if resolve_gpu(profile.hardware.gpu).vendor == "cpu":
+        if resolve_gpu(gpu).vendor == "cpu":
             per_expert += OPS_CPU_ROWS
         if getattr(adapters, "expert_layout", "none") != "none":
             per_expert += 3 * OPS_LORA
@@ -119,8 +130,14 @@ def attention_blocks(arch: ArchSpec, sequences: float) -> float:
 
 def activation_bytes_per_token(profile, arch: ArchSpec, adapters=None) -> float:
     """Bytes the elementwise ops of one forward read and write per token, every layer: each op reads its input
-    and writes its output once (2 passes of its width). RMSNorm works in fp32; the rest in the compute dtype."""
-    c = 4 if profile.quant.compute_dtype == "fp32" else 2
+    and writes its output once (2 passes of its width). RMSNorm works in fp32; the rest in the compute dtype.
+    Computed once per architecture, adapter plan and element size, like ``op_counts``."""
+    return _activation_bytes(Same(arch), Same(adapters), 4 if profile.quant.compute_dtype == "fp32" else 2)
+
+
+@lru_cache(maxsize=64)
+def _activation_bytes(arch_key: Same, adapters_key: Same, c: int) -> float:
+    arch, adapters = arch_key.obj, adapters_key.obj
     h = arch.hidden_size
     adapted = adapters.adapted if adapters is not None else frozenset()
     if arch.attention == "mla":
@@ -144,7 +161,14 @@ def activation_bytes_per_token(profile, arch: ArchSpec, adapters=None) -> float:
 
 def adapter_active_params(arch: ArchSpec, adapters=None) -> float:
     """Adapter parameters one token passes through: LoRA's r (d_in + d_out) of each adapted module (k/E of a routed
-    expert's), the bottleneck's whole; their matmuls are 2 FLOPs per parameter per token, like the base's."""
+    expert's), the bottleneck's whole; their matmuls are 2 FLOPs per parameter per token, like the base's.
+    Computed once per architecture and adapter plan, like ``op_counts``."""
+    return _adapter_active_params(Same(arch), Same(adapters))
+
+
+@lru_cache(maxsize=64)
+def _adapter_active_params(arch_key: Same, adapters_key: Same) -> float:
+    arch, adapters = arch_key.obj, adapters_key.obj
     if adapters is None:
         return 0.0
     if adapters.kind == "bottleneck":

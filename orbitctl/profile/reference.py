@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from orbitctl.profile.schema import Profile
+from orbitctl.profile.schema import Profile, describe_fields
 
 HEADER = """# Profile reference
 
@@ -27,6 +27,7 @@ This page is generated from `orbitctl/profile/schema.py` by
 
 
 def markdown() -> str:
+    describe_fields()
     lines = [HEADER]
     top = Profile.model_fields
     lines.append("## Top level\n")

@@ -8,6 +8,10 @@ and the fix.
 
 from __future__ import annotations
 
+import ast
+import inspect
+from functools import cache
+from pathlib import Path
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -17,7 +21,36 @@ from orbitctl.units import GiB
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    """Every model of the profile: unknown keys are errors, assignments are validated.
+
+    The fields' docstrings become their ``description`` on demand (:func:`describe_fields`), not at
+    import: pydantic's ``use_attribute_docstrings`` reads and parses every class's source when the class
+    is built, most of this module's import time, and only the profile reference reads them."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+@cache
+def describe_fields() -> None:
+    """Set every profile field's ``description`` to the docstring under it, as ``use_attribute_docstrings``
+    would, parsing this file once; the profile reference (docs/profiles.md) calls it before reading them."""
+    models = {name: obj for name, obj in globals().items() if isinstance(obj, type) and issubclass(obj, Section)}
+    for node in ast.parse(Path(__file__).read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.ClassDef) and node.name in models:
+            fields = models[node.name].model_fields
+            for name, doc in _attribute_docs(node).items():
+                if name in fields and fields[name].description is None:
+                    fields[name].description = doc
+
+
+def _attribute_docs(cls: ast.ClassDef) -> dict[str, str]:
+    """``{field: docstring}`` of a class body: a string literal right after an annotated assignment."""
+    docs = {}
+    for before, node in zip(cls.body, cls.body[1:]):
+        if (isinstance(before, ast.AnnAssign) and isinstance(before.target, ast.Name) and isinstance(node, ast.Expr)
+                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+            docs[before.target.id] = inspect.cleandoc(node.value.value)
+    return docs
 
 
 class ModelSection(Section):
