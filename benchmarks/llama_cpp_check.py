@@ -6,7 +6,8 @@
 Builds the demo model with an INT4 g32 base (cached in ORBITCTL_CACHE), gives its LoRA seeded random
 non-zero weights, saves that adapter, exports both to GGUF, and prints next-token distances
 (log-softmax L1, JS, max |dlogit|, top-1) between llama.cpp and the train path: with the adapter
-(llama.cpp's unmerged LoRA) and without it (the base alone, against the adapted train path).
+(llama.cpp's unmerged LoRA) and without it (the base alone, against the adapted train path), and the
+floor they are judged against: llama.cpp's base against the train path with its adapters off.
 """
 
 from __future__ import annotations
@@ -51,7 +52,13 @@ def main() -> None:
     result = export(str(profile_path), str(work / "gguf"), "gguf", adapter=str(work / "adapter"))
     seqs = held_out_sequences(profile, policy, args.prompts)
     train = train_path_logits(policy, seqs)
+    from orbitctl.model.adapters import adapters_disabled
+
+    with adapters_disabled(policy.model):
+        train_base = train_path_logits(policy, seqs)
     figures = {
+        # the floor: the same integers on both sides, adapters off; only the kernels differ
+        "floor_base_vs_base": distances(train_base, llama_cpp_logits(work / "gguf" / "model.gguf", seqs)),
         "with_adapter": distances(train, llama_cpp_logits(work / "gguf" / "model.gguf", seqs,
                                                           lora_path=work / "gguf" / "adapter.gguf")),
         "without_adapter": distances(train, llama_cpp_logits(work / "gguf" / "model.gguf", seqs)),
