@@ -132,8 +132,9 @@ def engine_rows(work: Path, run_dir: Path, adapter_dir: Path, smoke: bool) -> li
                     "model": "trained", "prompt": ids, "n": 2, "max_tokens": profile.rollout.max_new_tokens,
                     "temperature": 1.0, "seed": 0, "logprobs": 5, "return_tokens_as_token_ids": True})
                 out.write(json.dumps({"prompt_token_ids": ids, "response": answer}) + "\n")
+        # the run's own profile: verify-alignment recomputes the tokens with that run's trained adapter
         done = subprocess.run([*ORBITCTL, "verify-alignment", str(profile_path), "--rollouts", str(rollouts),
-                               "--adapter", str(adapter_dir), "--json"], capture_output=True, text=True)
+                               "--json"], capture_output=True, text=True)
         verdict = json.loads(done.stdout) if done.stdout.strip().startswith("{") else {}
         figures = {"verdict": verdict.get("verdict"), "tokens": verdict.get("tokens"),
                    **{g["name"]: g.get("value") for g in verdict.get("gates", []) if isinstance(g, dict) and "name" in g}}
