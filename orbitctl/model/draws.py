@@ -29,6 +29,34 @@ def splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def unsplitmix64(x: int) -> int:
+    """The inverse of :func:`splitmix64`: ``unsplitmix64(splitmix64(x)) == x``."""
+    def unxorshift(y: int, shift: int) -> int:
+        value = y
+        for _ in range(64 // shift + 1):
+            value = y ^ (value >> shift)
+        return value
+
+    x = unxorshift(x & _MASK, 31)
+    x = (x * pow(0x94D049BB133111EB, -1, 1 << 64)) & _MASK
+    x = unxorshift(x, 27)
+    x = (x * pow(0xBF58476D1CE4E5B9, -1, 1 << 64)) & _MASK
+    x = unxorshift(x, 30)
+    return (x - 0x9E3779B97F4A7C15) & _MASK
+
+
+def offset_seed(seed: int, offset: int, count: int) -> int | None:
+    """A seed under which keys ``0 .. count-1`` draw what keys ``offset .. offset+count-1`` draw under ``seed``;
+    None when there is none of this form. It exists when ``offset`` is a multiple of a power of two of at
+    least ``count`` (then ``offset ^ k == offset + k`` for every ``k < count``, and the first mix of the key
+    absorbs the offset). A server that draws one request's ``n`` completions from keys ``0 .. n-1`` then
+    samples exactly as the trainer's own rollout does for that prompt."""
+    block = 1 << max(0, (count - 1).bit_length())
+    if offset < 0 or offset % block:
+        return None
+    return unsplitmix64(splitmix64(seed & _MASK) ^ (offset & _MASK))
+
+
 def keyed_uniform(seed: int, key: int, step: int) -> float:
     """A uniform in (0, 1) (53 bits, never 0 or 1) that depends only on ``(seed, key, step)``."""
     h = splitmix64(splitmix64(splitmix64(seed & _MASK) ^ (key & _MASK)) ^ (step & _MASK))

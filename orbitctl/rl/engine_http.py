@@ -261,26 +261,32 @@ def process_tag(rank: int) -> str:
 
 
 # -- rollout --------------------------------------------------------------------------------------
-def collect_http(engine: HttpEngine, model: str, policy, items, reward_fn, *, group_size: int, batch_size: int,
-                 max_new_tokens: int, temperature: float, top_p: float, seed: int, positions):
-    """One step's experience for ``items``, sampled by the engine; chunks of ``batch_size`` sequences per
-    request, each request's seed drawn from the run's seed and its first prompt's place in the run."""
+def collect_http(engine: HttpEngine, model: str, policy, items, reward_fn, *, group_size: int, max_new_tokens: int,
+                 temperature: float, top_p: float, seed: int, positions):
+    """One step's experience for ``items``, sampled by the engine: one request per prompt (``n`` = the group).
+
+    The request's seed is :func:`~orbitctl.model.draws.offset_seed` of the run's seed at the prompt's keys
+    (position x group size), so an engine drawing completion j from key j of the seed (``orbitctl serve``)
+    samples the tokens the shared engine would; another engine takes it as its own seed.
+    """
     import torch
 
+    from orbitctl.model.draws import offset_seed, splitmix64
     from orbitctl.rl.rollout import _pad_left, rewarded
 
     start = time.perf_counter()
-    per_request = max(1, batch_size // group_size)
     expanded = [it for it in items for _ in range(group_size)]
+    ids, mask = policy.encode_prompts([it.prompt for it in items])
     prompt_parts, completions = [], []
-    for first in range(0, len(items), per_request):
-        chunk = items[first:first + per_request]
-        ids, mask = policy.encode_prompts([it.prompt for it in chunk])
-        prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
-        request_seed = (seed * 1_000_003 + int(positions[first])) % 2**63
-        completions += engine.sample(model, prompts, n=group_size, max_tokens=max_new_tokens,
-                                     temperature=temperature, top_p=top_p, seed=request_seed)
-        prompt_parts += [(ids[i:i + 1], mask[i:i + 1]) for i in range(len(chunk)) for _ in range(group_size)]
+    for row, position in enumerate(positions):
+        prompt = ids[row][mask[row].bool()].tolist()
+        keyed = offset_seed(seed, int(position) * group_size, group_size)
+        request_seed = keyed if keyed is not None else splitmix64(seed ^ splitmix64(int(position)))
+        # as a signed 64-bit integer (what engines take); the keyed draws read its 64 bits either way
+        signed = request_seed - (1 << 64) if request_seed >= 1 << 63 else request_seed
+        completions += engine.sample(model, [prompt], n=group_size, max_tokens=max_new_tokens,
+                                     temperature=temperature, top_p=top_p, seed=signed)
+        prompt_parts += [(ids[row:row + 1], mask[row:row + 1])] * group_size
     width = max(1, max(len(c.ids) for c in completions))
     pad = policy.pad_id
     completion_ids = torch.full((len(completions), width), pad, dtype=torch.long)

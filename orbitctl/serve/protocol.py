@@ -28,8 +28,9 @@ class _Sampling(BaseModel):
     """Nucleus sampling: the smallest set of tokens whose mass reaches top_p."""
     n: int = Field(1, ge=1, le=MAX_N)
     """Completions of the one prompt; completion j draws from key j of ``seed``."""
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    """The keyed draws' seed; the same seed gives the same tokens (default: a fresh random one)."""
+    seed: int | None = Field(None, ge=-2**63, lt=2**63)
+    """The keyed draws' seed, a signed 64-bit integer (its 64 bits are the key); the same seed gives the same
+    tokens (default: a fresh random one)."""
     stop: Union[str, list[str], None] = None
     """A completion is cut before the first of these strings (at most 4)."""
     stream: bool = False
@@ -126,7 +127,7 @@ class SGLangSampling(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
-    sampling_seed: int | None = Field(None, ge=0, lt=2**63)
+    sampling_seed: int | None = Field(None, ge=-2**63, lt=2**63)
     """The keyed draws' seed (SGLang's name); the same seed gives the same tokens."""
 
 

@@ -48,3 +48,21 @@ def test_a_row_draws_the_same_token_in_any_batch():
     assert not torch.equal(together, KeyedDraws(5, keys).sample(probs, step=8))  # a new step, new draws
     with pytest.raises(ValueError, match="3 rows"):
         KeyedDraws(5, (1, 2)).sample(probs[:3], step=0)
+
+
+def test_an_offset_seed_draws_from_keys_0_to_n_what_the_run_seed_draws_at_the_prompts_keys():
+    """What lets an engine given one prompt's request (keys 0..n-1) sample as the trainer's rollout does."""
+    import random
+
+    from orbitctl.model.draws import keyed_uniform, offset_seed, splitmix64, unsplitmix64
+
+    rng = random.Random(0)
+    for _ in range(200):
+        x = rng.getrandbits(64)
+        assert unsplitmix64(splitmix64(x)) == x
+    for seed, position, group in ((0, 0, 8), (7, 123, 8), (2**40 + 3, 5, 16), (1, 9, 1)):
+        keyed = offset_seed(seed, position * group, group)
+        assert keyed is not None
+        assert all(keyed_uniform(keyed, k, t) == keyed_uniform(seed, position * group + k, t)
+                   for k in range(group) for t in range(4))
+    assert offset_seed(0, 5 * 6, 6) is None  # 30 is no multiple of 8: no seed of this form exists
