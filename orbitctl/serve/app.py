@@ -157,15 +157,19 @@ def create_app(engine: Engine, *, max_body_bytes: int = MAX_BODY_BYTES):
                                      top_logprobs=body.top_logprobs_num if body.return_logprob else 0, stop=[])
         return responses.sglang_generate(gens, body.return_logprob, body.top_logprobs_num)
 
+    def sglang_adapters() -> dict:
+        """SGLang's answer to an adapter call: success and what is loaded now."""
+        return {"success": True, "error_message": "", "loaded_adapters": {n: a["path"] for n, a in engine.adapters.items()}}
+
     @app.post("/load_lora_adapter")
     def sglang_load_lora_adapter(body: SGLangLoadLoraRequest):
         engine.load_adapter(body.lora_name, body.lora_path)
-        return {"success": True, "error_message": "", "loaded_adapters": {n: a["path"] for n, a in engine.adapters.items()}}
+        return sglang_adapters()
 
     @app.post("/unload_lora_adapter")
     def sglang_unload_lora_adapter(body: UnloadLoraRequest):
         engine.unload_adapter(body.lora_name)
-        return {"success": True, "error_message": "", "loaded_adapters": {n: a["path"] for n, a in engine.adapters.items()}}
+        return sglang_adapters()
 
     @app.post("/v1/chat/completions")
     def chat_completions(body: ChatRequest):
