@@ -7,12 +7,14 @@
 
 The floor is ``python -c "import typer, rich, pydantic, yaml"`` with the same interpreter: what
 any command of this CLI pays before it does anything. The ratio is the plan's median over the
-floor's. ``--where`` prints the heaviest imports of the plan process (``python -X importtime``,
-by cumulative time) and a cProfile top 20 of the in-process part: load the profile, plan, render.
-``--bytecode`` times both with bytecode written and read (``PYTHONDONTWRITEBYTECODE`` unset, a
-temporary ``PYTHONPYCACHEPREFIX``, one warm-up run each): where the environment sets
-``PYTHONDONTWRITEBYTECODE=1``, the plan compiles every orbitctl module it imports on every run,
-while the floor's site-packages come compiled. Not a test.
+floor's. The model floor, timed alongside, is the floor plus one one-field pydantic model built and
+validated: the least a command that validates its input with pydantic models can cost (pydantic's
+model machinery and its plugin scan). ``--where`` prints the heaviest imports of the plan process
+(``python -X importtime``, by cumulative time) and a cProfile top 20 of the in-process part: load
+the profile, plan, render. ``--bytecode`` times them with bytecode written and read
+(``PYTHONDONTWRITEBYTECODE`` unset, a temporary ``PYTHONPYCACHEPREFIX``, one warm-up run each):
+where the environment sets ``PYTHONDONTWRITEBYTECODE=1``, the plan compiles every orbitctl module
+it imports on every run, while the floor's site-packages come compiled. Not a test.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROFILE = ROOT / "profiles" / "kimi-k2_grpo_int4_8xb200.yaml"
 FLOOR_CODE = "import typer, rich, pydantic, yaml"
+MODEL_FLOOR_CODE = FLOOR_CODE + "\nfrom pydantic import BaseModel\nclass M(BaseModel):\n    x: int = 1\nM(x=2)"
+"""The floor and one trivial pydantic model: the lower bound of a process that validates with pydantic."""
 ENV_SHOWN = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")
 """Environment variables the figures depend on (or should not), printed with them."""
 
@@ -45,9 +49,10 @@ def orbitctl_entry() -> str:
 
 
 def commands(profile: Path) -> dict[str, list[str]]:
-    """The two timed commands: the plan and the import floor."""
+    """The timed commands: the plan, the import floor and the model floor."""
     return {"plan": [orbitctl_entry(), "plan", str(profile), "--json"],
-            "floor": [sys.executable, "-c", FLOOR_CODE]}
+            "floor": [sys.executable, "-c", FLOOR_CODE],
+            "model": [sys.executable, "-c", MODEL_FLOOR_CODE]}
 
 
 def run_once(argv: list[str]) -> tuple[float, float]:
@@ -69,7 +74,7 @@ def _children_cpu() -> float:
 
 
 def cache_bytecode(profile: Path) -> None:
-    """Let both commands write and read bytecode in a fresh cache directory, filled by one run of each."""
+    """Let the commands write and read bytecode in a fresh cache directory, filled by one run of each."""
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     os.environ["PYTHONPYCACHEPREFIX"] = tempfile.mkdtemp(prefix="plan_startup_pyc_")
     for argv in commands(profile).values():
@@ -82,7 +87,7 @@ def summary(times: list[float]) -> dict[str, float]:
 
 
 def measure(profile: Path, runs: int) -> dict:
-    """Both commands ``runs`` times, interleaved (so a slow spell of the machine hits both alike)."""
+    """Every command ``runs`` times, interleaved (so a slow spell of the machine hits them alike)."""
     argvs = commands(profile)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in argvs}
     for _ in range(runs):
@@ -95,18 +100,21 @@ def measure(profile: Path, runs: int) -> dict:
         doc[name] = {**summary(wall), "times_s": wall, "cpu_median_s": statistics.median(cpu)}
     doc["ratio"] = doc["plan"]["median_s"] / doc["floor"]["median_s"]
     doc["cpu_ratio"] = doc["plan"]["cpu_median_s"] / doc["floor"]["cpu_median_s"]
+    doc["model_ratio"] = doc["model"]["median_s"] / doc["floor"]["median_s"]
+    doc["model_cpu_ratio"] = doc["model"]["cpu_median_s"] / doc["floor"]["cpu_median_s"]
     return doc
 
 
 def print_measurement(doc: dict) -> None:
-    """The figures of ``measure`` as four lines."""
+    """The figures of ``measure`` as six lines."""
     env = ", ".join(f"{k}={v}" for k, v in doc["env"].items()) or "none of " + ", ".join(ENV_SHOWN)
     print(f"{doc['runs']} runs each, {doc['profile']} (env: {env})")
-    for name in ("plan", "floor"):
+    for name in ("plan", "floor", "model"):
         s = doc[name]
         print(f"  {name:5}  median {s['median_s']:.3f} s  min {s['min_s']:.3f} s  max {s['max_s']:.3f} s"
               f"  (CPU median {s['cpu_median_s']:.3f} s)")
     print(f"  ratio plan/floor (medians): {doc['ratio']:.2f}x wall, {doc['cpu_ratio']:.2f}x CPU")
+    print(f"  ratio model/floor (medians): {doc['model_ratio']:.2f}x wall, {doc['model_cpu_ratio']:.2f}x CPU")
 
 
 def heaviest_imports(profile: Path, top: int) -> list[tuple[int, int, str]]:
@@ -149,13 +157,13 @@ def print_where(profile: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Time both commands (or, with ``--where``, show where the plan's time goes) and print the figures."""
+    """Time the commands (or, with ``--where``, show where the plan's time goes) and print the figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("profile", nargs="?", type=Path, default=DEFAULT_PROFILE)
     parser.add_argument("--runs", type=int, default=5, help="runs of each command (default 5)")
     parser.add_argument("--json", action="store_true", help="one JSON document instead of lines")
     parser.add_argument("--where", action="store_true", help="where the time goes instead of timing")
-    parser.add_argument("--bytecode", action="store_true", help="cache bytecode for both commands (see above)")
+    parser.add_argument("--bytecode", action="store_true", help="cache bytecode for the commands (see above)")
     args = parser.parse_args(argv)
     if args.bytecode:
         cache_bytecode(args.profile)

@@ -46,6 +46,8 @@ class Weight:
 
 @dataclass(frozen=True)
 class Layer:
+    """One decoder layer: its index, whether its MLP is a mixture of experts, and its weights."""
+
     index: int
     moe: bool
     weights: tuple[Weight, ...]

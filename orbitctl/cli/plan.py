@@ -9,8 +9,8 @@ RL step, its predicted seconds by phase (and on twice the nodes) and the compari
 layouts; no rule of its own.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: typer reads the command's signature and type hints with every
+# annotation evaluated, and string annotations would be compiled at each of those reads, on every run.
 from typing import List, Optional
 
 import typer

@@ -68,3 +68,7 @@ def show(
         import yaml
 
         output.show(yaml.safe_dump(document, sort_keys=False).rstrip())
+
+
+def register(parent: typer.Typer) -> None:
+    parent.add_typer(app, name="profile")

@@ -2,7 +2,9 @@
 
 Every character is one token: the four special tokens, newline and the 95 printable ASCII
 characters, so any plain-ASCII task (JSONL prompts in words, code, math) reads without
-``<unk>``; 100 entries in all. It is built with
+``<unk>``; 100 entries in all (``vocab_size`` pads it with placeholder tokens ``<x100>``, ``<x101>``, ...,
+like a real tokenizer's reserved tokens, for a model whose output layer should be as wide as a real
+one's: text never encodes to them, sampled ones decode to their names). It is built with
 the ``tokenizers`` library and saved as ``tokenizer.json`` so that
 ``AutoTokenizer.from_pretrained(dir)`` loads it like any other checkpoint's tokenizer.
 """
@@ -20,12 +22,15 @@ VOCAB = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
 VOCAB_SIZE = len(VOCAB)  # 100
 
 
-def build_char_tokenizer():
-    """A PreTrainedTokenizerFast: one token per character, BOS prepended, left padding."""
+def build_char_tokenizer(vocab_size: int = VOCAB_SIZE):
+    """A PreTrainedTokenizerFast: one token per character, BOS prepended, left padding; ``vocab_size`` entries."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    core = Tokenizer(models.WordLevel(vocab=dict(VOCAB), unk_token=UNK))
+    if vocab_size < VOCAB_SIZE:
+        raise ValueError(f"vocab_size {vocab_size}: the characters alone take {VOCAB_SIZE} ids")
+    vocab = {**VOCAB, **{f"<x{i}>": i for i in range(VOCAB_SIZE, vocab_size)}}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
     core.decoder = decoders.Fuse()
     core.post_processor = processors.TemplateProcessing(
@@ -35,5 +40,5 @@ def build_char_tokenizer():
         padding_side="left", clean_up_tokenization_spaces=False)
 
 
-def save_char_tokenizer(directory: str | Path) -> None:
-    build_char_tokenizer().save_pretrained(str(directory))
+def save_char_tokenizer(directory: str | Path, vocab_size: int = VOCAB_SIZE) -> None:
+    build_char_tokenizer(vocab_size).save_pretrained(str(directory))

@@ -81,8 +81,16 @@ class Policy:
 
         base_forward = self.model.get_base_model().forward if hasattr(self.model, "get_base_model") else self.model.forward
         # transformers 5.2x renamed past_key_values to cache; use whichever this version takes
-        self._cache_kw = "cache" if "cache" in inspect.signature(base_forward).parameters else "past_key_values"
+        params = inspect.signature(base_forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        # the output layer only for the positions asked for: the prompt's last on the infer path, the completion's
+        # on the train path (a model that cannot restrict it computes every position's logits, sliced after)
+        self._keeps_logits = "logits_to_keep" in params
         self.model.config.use_cache = True
+
+    def _last_logits(self, count: int) -> dict:
+        """The forward's keyword that computes the output layer for the last ``count`` positions only."""
+        return {"logits_to_keep": count} if self._keeps_logits else {}
 
     # -- parameters --------------------------------------------------------------------
     @property
@@ -136,7 +144,7 @@ class Policy:
         with torch.no_grad():
             mask = prompt_mask.clone()
             out = self.model(input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids_for(mask),
-                             use_cache=True, output_hidden_states=keep_hidden)
+                             use_cache=True, output_hidden_states=keep_hidden, **self._last_logits(1))
             cache, logits = getattr(out, self._cache_kw), out.logits[:, -1, :]
             next_pos = mask.sum(-1, keepdim=True)
             finished = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -206,10 +214,12 @@ class Policy:
         ids = torch.cat([prompt_ids, completion_ids], dim=1).to(device)
         mask = torch.cat([prompt_mask, completion_mask], dim=1).to(device)
         self.model.train(train)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=False,
-                         output_hidden_states=with_hidden)
         start, length = prompt_ids.shape[1] - 1, completion_ids.shape[1]
-        logits = out.logits[:, start:start + length, :]
+        # position start + i predicts completion token i; the last position predicts nothing kept
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask), use_cache=False,
+                         output_hidden_states=with_hidden, **self._last_logits(length + 1))
+        first = out.logits.shape[1] - (ids.shape[1] - start)  # 0 when every position's logits came back
+        logits = out.logits[:, first:first + length, :]
         if not with_hidden:
             return logits
         return logits, torch.stack([h[:, start:start + length, :].float() for h in out.hidden_states], dim=2)

@@ -32,6 +32,9 @@ from orbitctl.plan.adapters import AdapterPlan
 
 @dataclass(frozen=True)
 class ActivationSettings:
+    """What the activations depend on besides the architecture and the adapters: the micro-batch, the
+    checkpointing and offload, the attention kernel, dropout, the adapters' dtype and the loss chunk."""
+
     tokens: int
     """Tokens in one micro-batch (micro_batch_size x seq_len)."""
     seq_len: int
@@ -46,6 +49,8 @@ class ActivationSettings:
 
 @dataclass(frozen=True)
 class LayerActivations:
+    """What one layer keeps for its backward and what its blocks' backward holds, in bytes per token."""
+
     saved: float
     """Bytes per token autograd keeps for this layer's backward."""
     attention_saved: float
@@ -64,6 +69,8 @@ class LayerActivations:
 
 @dataclass(frozen=True)
 class TrainActivations:
+    """Activation and logits bytes at the peak moment of one micro-batch's forward and backward."""
+
     activations: float
     logits: float
     saved_boundaries_host: float

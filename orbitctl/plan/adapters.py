@@ -54,6 +54,8 @@ def expert_adapter_rank(adapter, hidden_size: int) -> int:
 
 @dataclass(frozen=True)
 class AdapterPlan:
+    """The adapters a profile trains on an architecture: kind, rank, the adapted weights, their parameters."""
+
     kind: str
     rank: int
     trainable_params: int

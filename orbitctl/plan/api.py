@@ -11,6 +11,9 @@ from orbitctl.units import GiB
 
 @dataclass
 class PlanRun:
+    """What one ``orbitctl plan`` computed: a plan (with its measurements or comparison), a sweep, or the
+    built-in architectures."""
+
     profile_name: str | None = None
     plan: Any = None
     sweep: list[dict] | None = None

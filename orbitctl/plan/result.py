@@ -39,6 +39,8 @@ COMPONENTS = {
 
 @dataclass(frozen=True)
 class Advice:
+    """One suggested change of the profile, with the peak bytes per GPU it gives and whether that fits."""
+
     change: dict[str, Any]
     """Dotted profile key -> new value, e.g. {'memory.micro_batch_size': 4}."""
     text: str
@@ -66,6 +68,9 @@ def set_values(change: dict[str, Any]) -> list[str]:
 
 @dataclass
 class MemoryPlan:
+    """The plan of a profile: bytes per GPU by phase and component, host RAM, parameter counts, the largest
+    micro-batch, notes and advice, and the predicted communication and time of one RL step."""
+
     phases: dict[str, dict[str, int]]
     """Phase -> component -> bytes per GPU."""
     peak_phase: str

@@ -18,6 +18,9 @@ HOST_BUFFER_FACTOR = 1.5
 
 @dataclass(frozen=True)
 class ModelStates:
+    """Bytes of the trainable parameters' states on each GPU (weights, gradients, master copy, Adam moments,
+    ZeRO-3's gathered unit) and in host RAM per node."""
+
     weights: float
     grads: float
     master: float

@@ -14,6 +14,8 @@ from orbitctl.units import GiB, MiB
 
 @dataclass(frozen=True)
 class GpuSpec:
+    """One GPU of the catalog: the memory a process sees, bandwidths, links and dense BF16 throughput."""
+
     name: str
     """Catalog key used in profiles (``hardware.gpu``)."""
     marketing: str

@@ -4,9 +4,10 @@ The schema is the documentation: every field has a one-line docstring, bounds an
 literal choices. Defaults are the adapter-first method's recommended values. Nothing here imports
 torch. Cross-field rules live in ``model_validator(mode="after")`` and name the YAML key
 and the fix.
-"""
 
-from __future__ import annotations
+No ``from __future__ import annotations``: pydantic would compile every field's annotation string when it
+builds the models, on every run; evaluated where they stand, they come with the module's bytecode.
+"""
 
 import ast
 import inspect

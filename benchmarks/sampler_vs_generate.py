@@ -1,0 +1,127 @@
+"""orbitctl's sampler (``Policy.sample``) against transformers' ``generate`` on the same model and batch.
+
+    .venv/bin/python benchmarks/sampler_vs_generate.py                       # the representative setting
+    .venv/bin/python benchmarks/sampler_vs_generate.py --setting demo --reps 5 --json
+
+The model is the setting's NF4 base with its LoRA attached (fresh: B = 0, computed like a trained one),
+in eval mode, without gradients; the batch is the setting's rollout batch (its first prompts, G copies
+each, left-padded). Both decode with transformers' dynamic KV cache in the model's dtype, positions
+counted from each row's first real token, and stop a row at EOS. At temperature 0 both are greedy and
+must produce the same tokens (the script says which rows differ, if any); at temperature 1 both sample
+the full distribution (orbitctl with its keyed draws, generate with torch's generator), so their tokens
+differ but the work is the same. Reported: completion tokens per second, median and range over
+``--reps`` alternating runs after one warm-up run of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import settings  # noqa: E402  (benchmarks/settings.py)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--setting", choices=["demo", "representative"], default="representative")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "orbitctl-bench")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    import torch
+
+    from orbitctl.builder import load_policy, prepare_frozen_base
+    from orbitctl.data.prompts import load_prompts
+    from orbitctl.model.draws import KeyedDraws
+
+    torch.set_num_threads(args.threads)
+    s = settings.setting(args.setting, args.work)
+    profile = settings.load(s)
+    split = load_prompts(profile.data, profile.run.seed)
+    policy = load_policy(profile, prepare_frozen_base(profile, split.warm_task))
+    policy.model.eval()
+    prompts = [it.prompt for it in split.train[:s.prompts_per_step] for _ in range(s.group_size)]
+    ids, mask = policy.encode_prompts(prompts)
+    new = s.max_new_tokens
+    rows = ids.shape[0]
+    draws = KeyedDraws(profile.run.seed, tuple(range(rows)))
+
+    def ours(temperature: float):
+        out = policy.sample(ids, mask, max_new_tokens=new, temperature=temperature, top_p=1.0,
+                            generator=torch.Generator().manual_seed(0), draws=draws if temperature else None)
+        return out.completion_ids, out.completion_mask
+
+    def theirs(temperature: float):
+        sampling = {"temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature > 0 else {}
+        with torch.no_grad():
+            out = policy.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                                        do_sample=temperature > 0, eos_token_id=policy.eos_id,
+                                        pad_token_id=policy.pad_id, use_cache=True, **sampling)
+        completion = out[:, ids.shape[1]:]
+        # generate pads a finished row with pad after its EOS; the mask keeps up to and including the EOS
+        seen_eos = (completion == policy.eos_id).long().cumsum(-1)
+        keep = (seen_eos == 0) | ((seen_eos == 1) & (completion == policy.eos_id))
+        return completion, keep.long()
+
+    def timed(fn, temperature):
+        start = time.perf_counter()
+        completion, keep = fn(temperature)
+        return time.perf_counter() - start, completion, keep
+
+    report: dict = {"setting": args.setting, "rows": rows, "prompt_tokens": int(ids.shape[1]),
+                    "max_new_tokens": new, "threads": args.threads, "temperatures": {}}
+    for temperature in (0.0, 1.0):
+        times: dict[str, list[float]] = {"orbitctl": [], "generate": []}
+        tokens: dict[str, list[int]] = {"orbitctl": [], "generate": []}
+        outputs = {}
+        for rep in range(args.reps + 1):
+            torch.manual_seed(rep)  # generate draws from torch's global generator
+            for name, fn in (("orbitctl", ours), ("generate", theirs)):
+                seconds, completion, keep = timed(fn, temperature)
+                if rep:  # the first run of each warms up
+                    times[name].append(seconds)
+                    tokens[name].append(int(keep.sum()))
+                outputs[name] = (completion, keep)
+        entry = {name: {"tokens_per_s": statistics.median(t / s_ for t, s_ in zip(tokens[name], times[name])),
+                        "min": min(t / s_ for t, s_ in zip(tokens[name], times[name])),
+                        "max": max(t / s_ for t, s_ in zip(tokens[name], times[name])),
+                        "tokens": tokens[name][-1], "seconds_median": statistics.median(times[name])}
+                 for name in times}
+        if temperature == 0.0:
+            (a, ka), (b, kb) = outputs["orbitctl"], outputs["generate"]
+            width = min(a.shape[1], b.shape[1])
+            # equal where kept, and kept alike (a row's mask beyond the shorter output is all zeros)
+            same = [bool(torch.equal(ka[r, :width], kb[r, :width]) and not ka[r, width:].any() and not kb[r, width:].any()
+                         and torch.equal(a[r, :width] * ka[r, :width], b[r, :width] * kb[r, :width]))
+                    for r in range(rows)]
+            entry["greedy_rows_equal"] = sum(same)
+            entry["greedy_rows_differing"] = [r for r, ok in enumerate(same) if not ok]
+        report["temperatures"][str(temperature)] = entry
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print(f"setting {args.setting}: {rows} rows, prompt {report['prompt_tokens']} tokens (left-padded), "
+          f"up to {new} new tokens, {args.threads} threads; completion tokens/s, median (min-max) of {args.reps}")
+    for temperature, entry in report["temperatures"].items():
+        o, g = entry["orbitctl"], entry["generate"]
+        line = (f"temperature {temperature}: orbitctl {o['tokens_per_s']:.4g} ({o['min']:.4g}-{o['max']:.4g}), "
+                f"generate {g['tokens_per_s']:.4g} ({g['min']:.4g}-{g['max']:.4g}); "
+                f"orbitctl/generate {o['tokens_per_s'] / g['tokens_per_s']:.2f}x")
+        if "greedy_rows_equal" in entry:
+            line += f"; greedy tokens equal in {entry['greedy_rows_equal']}/{rows} rows"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

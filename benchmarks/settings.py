@@ -1,0 +1,102 @@
+"""The benchmark settings orbitctl and TRL are compared on, each a profile plus what TRL needs to do the same.
+
+``demo``: the CPU demo (profiles/tiny-cpu.yaml): a 2-layer llama of hidden 64, completions of at most
+2 tokens, 32 prompts x 8 per step.
+
+``representative``: a llama built by code at a size RL post-training runs at on one machine for
+a small model: 8 layers, hidden 768, MLP 4096, 12 heads, vocab 8192 (107 M parameters; the character
+tokenizer padded with placeholder tokens so the output layer is as wide as a small real model's),
+seeded random init at 0.02, stored NF4 (double quant, group 64), LoRA r = 16 on every linear layer,
+4 prompts x 8 completions of 64 new tokens per step. The model has learned nothing, so it almost never
+samples EOS: every completion runs the full 64 tokens on both trainers. The reward is the share of
+digits in the completion's text, a number that varies inside every group, so every sequence carries
+an advantage and neither trainer can skip one.
+
+Both trainers run the same algorithm on these: GRPO with group-std normalisation, one policy update
+per rollout, no reference KL, no importance correction and no align loss (TRL has neither without
+vLLM), temperature 1, top-p 1, constant lr after 10 warmup steps, grad clip 1.0, gradient checkpointing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+REPRESENTATIVE_MODEL = dict(hidden_size=768, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=12,
+                            num_key_value_heads=12, vocab_size=8192, max_position_embeddings=512,
+                            initializer_range=0.02, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def digit_share(completion: str) -> float:
+    """The representative setting's reward: the share of the completion's characters that are digits."""
+    return sum(c.isdigit() for c in completion) / max(1, len(completion))
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    profile: Path
+    overrides: tuple[str, ...]
+    prompts_per_step: int
+    group_size: int
+    max_new_tokens: int
+    lora_rank: int
+    lora_alpha: int
+    lr: float
+
+
+def _build_model(out: Path) -> Path:
+    """The representative model in Hugging Face format (config.json, safetensors, tokenizer), built once."""
+    from orbitctl.model.charset import save_char_tokenizer
+    from orbitctl.model.tiny import build_tiny_model
+    from orbitctl.rundir import atomic_dir
+
+    if not (out / "config.json").exists():
+        def write(tmp: Path) -> None:
+            build_tiny_model("llama", tmp, seed=0, **REPRESENTATIVE_MODEL)
+            save_char_tokenizer(tmp, REPRESENTATIVE_MODEL["vocab_size"])
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_dir(out, write)
+    return out
+
+
+def _write_prompts(path: Path) -> Path:
+    """512 arithmetic questions of 38-44 characters in the ``prompt`` + ``answer`` layout."""
+    if not path.exists():
+        lines = []
+        for i in range(512):
+            a, b = (i * 37) % 900 + 100, (i * 53) % 9000 + 1000
+            lines.append(json.dumps({"prompt": f"Question {i:03d}: what is {a} plus {b}? Answer:",
+                                     "answer": str(a + b)}))
+        path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def setting(name: str, work: Path) -> Setting:
+    """The named setting; the representative model and prompts are written under ``work`` the first time."""
+    if name == "demo":
+        return Setting("demo", ROOT / "profiles" / "tiny-cpu.yaml", ("rl.align_loss.kind=none",
+                       "rl.is_correction.kind=none"), prompts_per_step=32, group_size=8, max_new_tokens=2,
+                       lora_rank=8, lora_alpha=16, lr=1e-3)
+    if name != "representative":
+        raise ValueError(f"unknown setting {name!r}: demo or representative")
+    model = _build_model(work / "model-107m")
+    prompts = _write_prompts(work / "prompts.jsonl")
+    overrides = (f"model.path={model}", "model.arch=null", f"model.config={model / 'config.json'}", "quant.format=nf4", "quant.group_size=64",
+                 "adapter.rank=16", "adapter.alpha=32", "memory.micro_batch_size=32", "memory.seq_len=112",
+                 "rl.group_size=8", "rl.prompts_per_step=4", "rl.lr=1.0e-5", "rl.align_loss.kind=none",
+                 "rl.is_correction.kind=none", "rollout.max_new_tokens=64", "rollout.batch_size=32",
+                 f"data.train={prompts}", "data.reward=python:settings:digit_share", "data.eval_size=1")
+    return Setting("representative", ROOT / "profiles" / "tiny-cpu.yaml", overrides, prompts_per_step=4,
+                   group_size=8, max_new_tokens=64, lora_rank=16, lora_alpha=32, lr=1e-5)
+
+
+def load(setting_: Setting, extra: tuple[str, ...] = ()):
+    """The setting's profile, validated like any user's."""
+    from orbitctl.profile import load_profile
+
+    return load_profile(setting_.profile, [*setting_.overrides, *extra])

@@ -1,0 +1,230 @@
+"""orbitctl train against TRL's GRPOTrainer, timed the same way on the same setting.
+
+    .venv/bin/pip install -e '.[bench]'
+    .venv/bin/python benchmarks/train_vs_trl.py                              # the demo setting
+    .venv/bin/python benchmarks/train_vs_trl.py --setting representative     # 107 M llama, 64-token completions
+    .venv/bin/python benchmarks/train_vs_trl.py --setting representative --reps 3 --steps 3 --json
+
+Settings: ``benchmarks/settings.py``. Both trainers load the same NF4 checkpoint, train the same LoRA
+(all linear layers) on the same prompts, group size, completion length, sampling, learning rate and
+precision (orbitctl's resolved compute dtype: bf16 where the CPU has native bf16, else fp32; TRL's
+``bf16`` flag follows it), with the same number of torch threads, each repetition in a fresh process,
+the two trainers alternating.
+
+Timing, the same on both sides: the wall-clock between the ends of consecutive optimizer steps
+(orbitctl's ``step`` event, TRL's ``on_step_end``), after ``--warmup`` steps; the step after the
+measured ones is run but not counted (orbitctl evaluates at its last step). So a step is everything
+its trainer does from one optimizer step to the next. Inside it, the rollout (sampling the completions,
+decoded to text) and the update are timed by each trainer's own boundaries: orbitctl's phase timers,
+and for TRL its ``_generate_single_turn`` (rollout) and the step minus ``_generate_and_score_completions``
+(update). Reported per trainer: the median and range over repetitions of samples/s (completions per
+second of step), rollout tokens/s (completion tokens per second of rollout), update tokens/s (completion
+tokens per second of update) and the process's peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import settings  # noqa: E402  (benchmarks/settings.py)
+
+
+def _peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _summary(stamps: list[float], warmup: int, steps: int, samples: int, rollout_s: list[float],
+             update_s: list[float], tokens: list[int]) -> dict:
+    """Per-step figures over steps ``warmup+1 .. warmup+steps`` (1-based); ``stamps[i]`` ends step i (0: start)."""
+    span = stamps[warmup + steps] - stamps[warmup]
+    window = slice(warmup, warmup + steps)
+    tok, roll, upd = sum(tokens[window]), sum(rollout_s[window]), sum(update_s[window])
+    return {"step_s": span / steps, "samples_per_s": samples * steps / span, "rollout_tokens_per_s": tok / roll,
+            "update_tokens_per_s": tok / upd, "rollout_s": roll / steps, "update_s": upd / steps,
+            "completion_tokens_per_step": tok / steps, "peak_rss_gib": _peak_rss_gib()}
+
+
+def run_orbitctl(s: settings.Setting, warmup: int, steps: int, work: Path) -> dict:
+    from orbitctl.model.cpu_dtype import compute_dtype_name
+    from orbitctl.rl.api import train
+
+    total = warmup + steps + 1
+    profile = settings.load(s, (f"run.dir={work / 'run'}", "run.eval_every=100000", "run.save_every=100000",
+                                f"rl.steps={total}"))
+    stamps: list[float] = []
+    records: list[dict] = []
+
+    def on_event(kind: str, payload: dict) -> None:
+        if kind == "step":
+            stamps.append(time.perf_counter())
+            records.append(payload)
+        elif kind == "eval" and not stamps:  # the step-0 evaluation ends setup: step 1 starts here
+            stamps.append(time.perf_counter())
+
+    train(profile, fresh=True, on_event=on_event)
+    return {**_summary(stamps, warmup, steps, s.prompts_per_step * s.group_size,
+                       [r["time_rollout_s"] for r in records], [r["time_update_s"] for r in records],
+                       [int(r["tokens"]) for r in records]),
+            "compute_dtype": compute_dtype_name(profile)}
+
+
+def run_trl(s: settings.Setting, warmup: int, steps: int, work: Path) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from orbitctl.builder import prepare_frozen_base
+    from orbitctl.data.prompts import load_prompts
+    from orbitctl.model.cpu_dtype import compute_dtype_name
+    from orbitctl.model.frozen_base import load_frozen_base
+    from orbitctl.rl.rewards import make_reward
+
+    profile = settings.load(s)
+    split = load_prompts(profile.data, 0)
+    base = prepare_frozen_base(profile, split.warm_task)
+    bf16 = compute_dtype_name(profile) == "bf16"
+    model = load_frozen_base(str(base.quantized_dir), compute_dtype=torch.bfloat16 if bf16 else torch.float32)
+    tok_dir = base.quantized_dir if (base.quantized_dir / "tokenizer.json").exists() else base.source_dir
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    tokenizer.padding_side = "left"
+    items = {it.prompt: it for it in split.train}
+    data = Dataset.from_list([{"prompt": it.prompt} for it in split.train])
+    score = make_reward(profile.data.reward, split.task)  # orbitctl's own reward function, called the same way
+
+    def reward(prompts, completions, **_):
+        return score(completions, [items[p] for p in prompts])
+
+    stamps: list[float] = []
+    rollout_s: list[float] = []
+    scored_s: list[float] = []
+    tokens: list[int] = []
+
+    class Timed(GRPOTrainer):
+        def _generate_single_turn(self, *args, **kwargs):
+            start = time.perf_counter()
+            out = super()._generate_single_turn(*args, **kwargs)
+            rollout_s.append(time.perf_counter() - start)
+            tokens.append(sum(len(c) for c in out[0]))
+            return out
+
+        def _generate_and_score_completions(self, *args, **kwargs):
+            start = time.perf_counter()
+            out = super()._generate_and_score_completions(*args, **kwargs)
+            scored_s.append(time.perf_counter() - start)
+            return out
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            stamps.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            stamps.append(time.perf_counter())
+
+    n = s.prompts_per_step * s.group_size
+    rl, rollout = profile.rl, profile.rollout
+    config = GRPOConfig(
+        output_dir=str(work / "trl"), max_steps=warmup + steps + 1, per_device_train_batch_size=n,
+        num_generations=s.group_size, max_completion_length=rollout.max_new_tokens, temperature=rollout.temperature,
+        top_p=rollout.top_p, learning_rate=rl.lr, beta=0.0, use_cpu=True, bf16=bf16,
+        gradient_checkpointing=profile.memory.gradient_checkpointing, logging_steps=10**6, save_strategy="no",
+        report_to="none", scale_rewards="group" if rl.std_normalize else "none", loss_type="dapo",
+        warmup_steps=rl.warmup_steps, lr_scheduler_type="constant_with_warmup", max_grad_norm=rl.grad_clip,
+        shuffle_dataset=True, seed=0, dataloader_num_workers=0)
+    lora = LoraConfig(r=s.lora_rank, lora_alpha=s.lora_alpha, lora_dropout=0.0, target_modules="all-linear",
+                      task_type="CAUSAL_LM")
+    trainer = Timed(model=model, reward_funcs=reward, args=config, train_dataset=data, processing_class=tokenizer,
+                    peft_config=lora, callbacks=[Clock()])
+    trainer.train()
+    update_s = [stamps[i + 1] - stamps[i] - scored_s[i] for i in range(len(scored_s))]
+    return {**_summary(stamps, warmup, steps, n, rollout_s, update_s, tokens),
+            "compute_dtype": "bf16" if bf16 else "fp32"}
+
+
+def _child(which: str, s: settings.Setting, warmup: int, steps: int, threads: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        fn = run_orbitctl if which == "orbitctl" else run_trl
+        return fn(s, warmup, steps, Path(tmp))
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+KEYS = ("samples_per_s", "rollout_tokens_per_s", "update_tokens_per_s", "step_s", "rollout_s", "update_s",
+        "peak_rss_gib")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--setting", choices=["demo", "representative"], default="demo")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per repetition (demo 20, representative 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="steps before the measured ones (demo 5, representative 1)")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions of each trainer, alternating")
+    parser.add_argument("--which", choices=["both", "orbitctl", "trl"], default="both")
+    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "orbitctl-bench",
+                        help="where the representative model and prompts are built once")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    steps = args.steps or (20 if args.setting == "demo" else 3)
+    warmup = args.warmup if args.warmup is not None else (5 if args.setting == "demo" else 1)
+    s = settings.setting(args.setting, args.work)
+    if args.child:
+        print("RESULT " + json.dumps(_child(args.which, s, warmup, steps, args.threads)), flush=True)
+        return
+    names = ["orbitctl", "trl"] if args.which == "both" else [args.which]
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for rep in range(args.reps):
+        for name in names:  # alternating, each in its own process: no shared state, a fair peak RSS
+            cmd = [sys.executable, __file__, "--child", "--which", name, "--setting", args.setting, "--steps",
+                   str(steps), "--warmup", str(warmup), "--threads", str(args.threads), "--work", str(args.work)]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+            if not line:
+                sys.exit(f"{name} failed (rep {rep + 1}):\n" + "\n".join(out.stderr.strip().splitlines()[-15:]))
+            runs[name].append(json.loads(line[-1][len("RESULT "):]))
+            print(f"rep {rep + 1} {name}: " + ", ".join(f"{k} {runs[name][-1][k]:.3g}" for k in KEYS),
+                  file=sys.stderr, flush=True)
+    table = {name: {k: _spread([r[k] for r in rs]) for k in KEYS} | {"compute_dtype": rs[0]["compute_dtype"]}
+             for name, rs in runs.items()}
+    report = {"setting": args.setting, "steps": steps, "warmup": warmup, "reps": args.reps, "threads": args.threads,
+              "samples_per_step": s.prompts_per_step * s.group_size, "max_new_tokens": s.max_new_tokens,
+              "cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", "default"), "results": table, "runs": runs}
+    if len(names) == 2:
+        report["orbitctl_over_trl_samples_per_s"] = (table["orbitctl"]["samples_per_s"]["median"]
+                                                     / table["trl"]["samples_per_s"]["median"])
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print(f"setting {args.setting}: {report['samples_per_step']} completions of <= {s.max_new_tokens} tokens per step, "
+          f"{args.reps} reps x {steps} steps after {warmup} warm-up, {args.threads} threads; median (min-max)")
+    print(f"{'':9} {'samples/s':>22} {'rollout tok/s':>22} {'update tok/s':>22} {'s/step':>20} {'peak RSS GiB':>18}")
+    for name, t in table.items():
+        cells = [f"{t[k]['median']:.4g} ({t[k]['min']:.4g}-{t[k]['max']:.4g})" for k in
+                 ("samples_per_s", "rollout_tokens_per_s", "update_tokens_per_s", "step_s", "peak_rss_gib")]
+        print(f"{name:9} " + " ".join(f"{c:>22}" for c in cells) + f"  [{t['compute_dtype']}]")
+    if "orbitctl_over_trl_samples_per_s" in report:
+        print(f"orbitctl / TRL samples/s: {report['orbitctl_over_trl_samples_per_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
