@@ -220,3 +220,29 @@ def test_lora_on_our_int4_and_fp8_layers_reloads_exactly(small_profile, tmp_path
     with torch.no_grad():  # equal by construction: the same QuantLinearLora modules, weights and input
         assert torch.equal(policy.model(input_ids=ids, attention_mask=mask).logits,
                            loaded(input_ids=ids, attention_mask=mask).logits)
+
+
+def test_train_path_computes_the_output_layer_for_the_completion_only(small_profile):
+    """With ``logits_to_keep`` the train path's logits are the completion positions' alone, and equal those of a
+    forward that computes every position's and slices (the same rows of the same matmul inputs)."""
+    policy, _, _ = _policy(small_profile())
+    assert policy._keeps_logits  # transformers' llama takes logits_to_keep
+    ids, mask = policy.encode_prompts(["+-M5:", "M2:", "()M7:"])
+    out = policy.sample(ids, mask, max_new_tokens=4, temperature=1.0, top_p=1.0,
+                        generator=torch.Generator().manual_seed(0))
+    calls = []
+    hook = policy.model.get_base_model().lm_head.register_forward_hook(lambda m, a, o: calls.append(a[0].shape[1]))
+    try:
+        with torch.no_grad():
+            kept = policy.completion_logits(ids, mask, out.completion_ids, out.completion_mask, train=False)
+            policy._keeps_logits = False
+            full = policy.completion_logits(ids, mask, out.completion_ids, out.completion_mask, train=False)
+    finally:
+        policy._keeps_logits = True
+        hook.remove()
+    length = out.completion_ids.shape[1]
+    assert calls == [length + 1, ids.shape[1] + length]
+    assert kept.shape == full.shape == (ids.shape[0], length, policy.model.config.vocab_size)
+    # a matmul over fewer rows may block differently: a few units in the last place of the largest logit
+    ulp = torch.finfo(kept.dtype).eps * float(full.abs().max())
+    assert float((kept.float() - full.float()).abs().max()) <= 4 * ulp
