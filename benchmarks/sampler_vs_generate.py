@@ -47,13 +47,14 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     s = settings.setting(args.setting, args.work)
-    profile = settings.load(s)
+    profile = s.load()
     split = load_prompts(profile.data, profile.run.seed)
     policy = load_policy(profile, prepare_frozen_base(profile, split.warm_task))
     policy.model.eval()
-    prompts = [it.prompt for it in split.train[:s.prompts_per_step] for _ in range(s.group_size)]
+    prompts = [it.prompt for it in split.train[:profile.rl.prompts_per_step]
+               for _ in range(profile.rl.group_size)]
     ids, mask = policy.encode_prompts(prompts)
-    new = s.max_new_tokens
+    new = profile.rollout.max_new_tokens
     rows = ids.shape[0]
     draws = KeyedDraws(profile.run.seed, tuple(range(rows)))
 
@@ -100,11 +101,9 @@ def main() -> None:
                  for name in times}
         if temperature == 0.0:
             (a, ka), (b, kb) = outputs["orbitctl"], outputs["generate"]
-            width = min(a.shape[1], b.shape[1])
-            # equal where kept, and kept alike (a row's mask beyond the shorter output is all zeros)
-            same = [bool(torch.equal(ka[r, :width], kb[r, :width]) and not ka[r, width:].any() and not kb[r, width:].any()
-                         and torch.equal(a[r, :width] * ka[r, :width], b[r, :width] * kb[r, :width]))
-                    for r in range(rows)]
+            # each row's kept tokens, padding dropped: equal lists are equal completions
+            kept = [[row[m.bool()].tolist() for row, m in zip(ids_, mask_)] for ids_, mask_ in ((a, ka), (b, kb))]
+            same = [x == y for x, y in zip(*kept)]
             entry["greedy_rows_equal"] = sum(same)
             entry["greedy_rows_differing"] = [r for r, ok in enumerate(same) if not ok]
         report["temperatures"][str(temperature)] = entry

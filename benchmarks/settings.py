@@ -35,17 +35,21 @@ def digit_share(completion: str) -> float:
     return sum(c.isdigit() for c in completion) / max(1, len(completion))
 
 
+DEMO_PROFILE = ROOT / "profiles" / "tiny-cpu.yaml"
+
+
 @dataclass(frozen=True)
 class Setting:
+    """A setting is the demo profile with overrides: every number a benchmark needs is read from its profile."""
+
     name: str
-    profile: Path
     overrides: tuple[str, ...]
-    prompts_per_step: int
-    group_size: int
-    max_new_tokens: int
-    lora_rank: int
-    lora_alpha: int
-    lr: float
+
+    def load(self, extra: tuple[str, ...] = ()):
+        """The setting's profile, validated like any user's (``extra``: further ``--set`` overrides)."""
+        from orbitctl.profile import load_profile
+
+        return load_profile(DEMO_PROFILE, [*self.overrides, *extra])
 
 
 def _build_model(out: Path) -> Path:
@@ -78,25 +82,17 @@ def _write_prompts(path: Path) -> Path:
 
 def setting(name: str, work: Path) -> Setting:
     """The named setting; the representative model and prompts are written under ``work`` the first time."""
+    # neither trainer has an align loss or an importance correction without vLLM: both off
+    same_algorithm = ("rl.align_loss.kind=none", "rl.is_correction.kind=none")
     if name == "demo":
-        return Setting("demo", ROOT / "profiles" / "tiny-cpu.yaml", ("rl.align_loss.kind=none",
-                       "rl.is_correction.kind=none"), prompts_per_step=32, group_size=8, max_new_tokens=2,
-                       lora_rank=8, lora_alpha=16, lr=1e-3)
+        return Setting("demo", same_algorithm)
     if name != "representative":
         raise ValueError(f"unknown setting {name!r}: demo or representative")
     model = _build_model(work / "model-107m")
     prompts = _write_prompts(work / "prompts.jsonl")
-    overrides = (f"model.path={model}", "model.arch=null", f"model.config={model / 'config.json'}", "quant.format=nf4", "quant.group_size=64",
-                 "adapter.rank=16", "adapter.alpha=32", "memory.micro_batch_size=32", "memory.seq_len=112",
-                 "rl.group_size=8", "rl.prompts_per_step=4", "rl.lr=1.0e-5", "rl.align_loss.kind=none",
-                 "rl.is_correction.kind=none", "rollout.max_new_tokens=64", "rollout.batch_size=32",
-                 f"data.train={prompts}", "data.reward=python:settings:digit_share", "data.eval_size=1")
-    return Setting("representative", ROOT / "profiles" / "tiny-cpu.yaml", overrides, prompts_per_step=4,
-                   group_size=8, max_new_tokens=64, lora_rank=16, lora_alpha=32, lr=1e-5)
-
-
-def load(setting_: Setting, extra: tuple[str, ...] = ()):
-    """The setting's profile, validated like any user's."""
-    from orbitctl.profile import load_profile
-
-    return load_profile(setting_.profile, [*setting_.overrides, *extra])
+    return Setting("representative", (
+        f"model.path={model}", "model.arch=null", f"model.config={model / 'config.json'}", "quant.format=nf4",
+        "quant.group_size=64", "adapter.rank=16", "adapter.alpha=32", "memory.micro_batch_size=32",
+        "memory.seq_len=112", "rl.group_size=8", "rl.prompts_per_step=4", "rl.lr=1.0e-5", *same_algorithm,
+        "rollout.max_new_tokens=64", "rollout.batch_size=32", f"data.train={prompts}",
+        "data.reward=python:settings:digit_share", "data.eval_size=1"))

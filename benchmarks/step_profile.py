@@ -50,7 +50,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     s = settings.setting(args.setting, args.work)
-    profile_ = settings.load(s)
+    profile_ = s.load()
     rl, rollout = profile_.rl, profile_.rollout
     ensure_process_group()
     split = load_prompts(profile_.data, profile_.run.seed)

@@ -42,6 +42,11 @@ sys.path.insert(0, str(HERE))
 import settings  # noqa: E402  (benchmarks/settings.py)
 
 
+def _samples(profile) -> int:
+    """Completions per optimizer step."""
+    return profile.rl.prompts_per_step * profile.rl.group_size
+
+
 def _peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
@@ -62,7 +67,7 @@ def run_orbitctl(s: settings.Setting, warmup: int, steps: int, work: Path) -> di
     from orbitctl.rl.api import train
 
     total = warmup + steps + 1
-    profile = settings.load(s, (f"run.dir={work / 'run'}", "run.eval_every=100000", "run.save_every=100000",
+    profile = s.load((f"run.dir={work / 'run'}", "run.eval_every=100000", "run.save_every=100000",
                                 f"rl.steps={total}"))
     stamps: list[float] = []
     records: list[dict] = []
@@ -75,7 +80,7 @@ def run_orbitctl(s: settings.Setting, warmup: int, steps: int, work: Path) -> di
             stamps.append(time.perf_counter())
 
     train(profile, fresh=True, on_event=on_event)
-    return {**_summary(stamps, warmup, steps, s.prompts_per_step * s.group_size,
+    return {**_summary(stamps, warmup, steps, _samples(profile),
                        [r["time_rollout_s"] for r in records], [r["time_update_s"] for r in records],
                        [int(r["tokens"]) for r in records]),
             "compute_dtype": compute_dtype_name(profile)}
@@ -94,7 +99,7 @@ def run_trl(s: settings.Setting, warmup: int, steps: int, work: Path) -> dict:
     from orbitctl.model.frozen_base import load_frozen_base
     from orbitctl.rl.rewards import make_reward
 
-    profile = settings.load(s)
+    profile = s.load()
     split = load_prompts(profile.data, 0)
     base = prepare_frozen_base(profile, split.warm_task)
     bf16 = compute_dtype_name(profile) == "bf16"
@@ -135,17 +140,17 @@ def run_trl(s: settings.Setting, warmup: int, steps: int, work: Path) -> dict:
         def on_step_end(self, args, state, control, **kwargs):
             stamps.append(time.perf_counter())
 
-    n = s.prompts_per_step * s.group_size
-    rl, rollout = profile.rl, profile.rollout
+    n = _samples(profile)
+    rl, rollout, adapter = profile.rl, profile.rollout, profile.adapter
     config = GRPOConfig(
         output_dir=str(work / "trl"), max_steps=warmup + steps + 1, per_device_train_batch_size=n,
-        num_generations=s.group_size, max_completion_length=rollout.max_new_tokens, temperature=rollout.temperature,
+        num_generations=rl.group_size, max_completion_length=rollout.max_new_tokens, temperature=rollout.temperature,
         top_p=rollout.top_p, learning_rate=rl.lr, beta=0.0, use_cpu=True, bf16=bf16,
         gradient_checkpointing=profile.memory.gradient_checkpointing, logging_steps=10**6, save_strategy="no",
         report_to="none", scale_rewards="group" if rl.std_normalize else "none", loss_type="dapo",
         warmup_steps=rl.warmup_steps, lr_scheduler_type="constant_with_warmup", max_grad_norm=rl.grad_clip,
         shuffle_dataset=True, seed=0, dataloader_num_workers=0)
-    lora = LoraConfig(r=s.lora_rank, lora_alpha=s.lora_alpha, lora_dropout=0.0, target_modules="all-linear",
+    lora = LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, lora_dropout=0.0, target_modules="all-linear",
                       task_type="CAUSAL_LM")
     trainer = Timed(model=model, reward_funcs=reward, args=config, train_dataset=data, processing_class=tokenizer,
                     peft_config=lora, callbacks=[Clock()])
@@ -188,6 +193,7 @@ def main() -> None:
     steps = args.steps or (20 if args.setting == "demo" else 3)
     warmup = args.warmup if args.warmup is not None else (5 if args.setting == "demo" else 1)
     s = settings.setting(args.setting, args.work)
+    profile = s.load()
     if args.child:
         print("RESULT " + json.dumps(_child(args.which, s, warmup, steps, args.threads)), flush=True)
         return
@@ -207,7 +213,7 @@ def main() -> None:
     table = {name: {k: _spread([r[k] for r in rs]) for k in KEYS} | {"compute_dtype": rs[0]["compute_dtype"]}
              for name, rs in runs.items()}
     report = {"setting": args.setting, "steps": steps, "warmup": warmup, "reps": args.reps, "threads": args.threads,
-              "samples_per_step": s.prompts_per_step * s.group_size, "max_new_tokens": s.max_new_tokens,
+              "samples_per_step": _samples(profile), "max_new_tokens": profile.rollout.max_new_tokens,
               "cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", "default"), "results": table, "runs": runs}
     if len(names) == 2:
         report["orbitctl_over_trl_samples_per_s"] = (table["orbitctl"]["samples_per_s"]["median"]
@@ -215,7 +221,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"setting {args.setting}: {report['samples_per_step']} completions of <= {s.max_new_tokens} tokens per step, "
+    print(f"setting {args.setting}: {report['samples_per_step']} completions of <= {report['max_new_tokens']} tokens per step, "
           f"{args.reps} reps x {steps} steps after {warmup} warm-up, {args.threads} threads; median (min-max)")
     print(f"{'':9} {'samples/s':>22} {'rollout tok/s':>22} {'update tok/s':>22} {'s/step':>20} {'peak RSS GiB':>18}")
     for name, t in table.items():
