@@ -96,10 +96,11 @@ def test_adapters_disabled_equal_the_base_model(small_profile):
 
         full = torch.cat([ids, completion], 1)
         full_mask = torch.cat([mask, completion_mask], 1)
-        logits = plain(input_ids=full, attention_mask=full_mask, position_ids=position_ids_for(full_mask)).logits
-    expected = logits[:, ids.shape[1] - 1: ids.shape[1] + 1]
+        logits = plain(input_ids=full, attention_mask=full_mask, position_ids=position_ids_for(full_mask),
+                       logits_to_keep=completion.shape[1] + 1).logits
+    expected = logits[:, :completion.shape[1]]
     # equal by construction: a disabled LoRA layer calls only its base layer, so both sides run the
-    # same modules, kernels and dtype on the same full sequence (the slice is taken afterwards)
+    # same modules, kernels and dtype on the same full sequence, the output layer on the same positions
     assert torch.equal(reference, expected)
     assert not torch.allclose(adapted, expected, atol=1e-3)
 
