@@ -25,6 +25,9 @@ def train_command(
                                            help="hardware.nodes > 1: DeepSpeed hostfile, one 'host slots=N' line per node."),
     master_addr: Optional[str] = typer.Option(None, "--master-addr", metavar="ADDR",
                                               help="hardware.nodes > 1: the address of the first node."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what train would build for each rank (layout, experts, "
+                                 "DeepSpeed config, offload and chunking, the plan, the machine check) and exit; "
+                                 "loads no weights and needs no GPU."),
     json_out: bool = JsonOption,
 ) -> None:
     """Train adapters with GRPO/PPO on the profile's ranks (started here); rerunning resumes from the newest checkpoint.
@@ -36,10 +39,19 @@ def train_command(
         orbitctl train profiles/tiny-cpu.yaml --steps 50 --set rl.lr=5e-4
 
         orbitctl train profiles/tiny-cpu.yaml --fresh --json
+
+        orbitctl train profiles/kimi-k2_grpo_int4_8xh200.yaml --dry-run
     """
     from orbitctl.launch import api
 
     profile = api.load_train_profile(profile_path, overrides(set_))
+    if dry_run:
+        report = api.dry_run(profile)
+        if json_out:
+            output.emit_json(report.to_dict())
+        else:
+            _show_dry_run(report)
+        return
     view = None if json_out else LiveView(profile.rl.steps if steps is None else steps, profile.run.log_every)
     try:
         result = api.train(profile, fresh=fresh, steps=steps, on_event=view.event if view else None,
@@ -59,6 +71,55 @@ def train_command(
     phases = (result.last_metrics or {}).get("phase_memory")
     if phases:
         output.show(_memory_table(phases, (result.last_metrics or {}).get("phase_memory_kind", "")))
+
+
+def _show_dry_run(report) -> None:
+    """The dry run as a few tables on stdout."""
+    from orbitctl.units import gib
+
+    output.show(f"{report.profile}: what `orbitctl train` would build ({report.world_size} rank(s) on "
+                f"{report.nodes} node(s); nothing loaded)")
+    ranks = output.table("ranks", ("rank", "node", "device", "sequences/step", "EP group", "EP rank", "routed experts"))
+    for r in report.ranks:
+        experts = "-" if r.experts is None else f"{r.experts[0]}..{r.experts[1]}"
+        ranks.add_row(str(r.rank), str(r.node), r.device, str(r.sequences_per_step),
+                      "-" if r.expert_group is None else str(r.expert_group),
+                      "-" if r.expert_rank is None else str(r.expert_rank), experts)
+    output.show(ranks)
+    lay, acc = report.layout, report.accumulation
+    output.show(f"layout: {lay['name']}, ZeRO stage {lay['zero_stage']}; micro-batch {acc['micro_batch_size']} x "
+                f"{acc['derived']} accumulation steps per rank")
+    mech = output.table("memory mechanics", ("key", "train builds", "planned bytes"))
+    m = report.memory
+    mech.add_row("gradient_checkpointing", str(m["gradient_checkpointing"]).lower(), "")
+    mech.add_row("offload_activations", m["offload_activations"],
+                 f"{gib(m['offloaded_activation_bytes_per_node'])} GiB host per node" if m["offload_activations"] != "none" else "")
+    chunks = f"{m['loss_chunks_per_micro_batch']} chunk(s) per micro-batch" if m["loss_chunk_size"] else "whole micro-batch"
+    mech.add_row("loss_chunk_size", f"{m['loss_chunk_size']} ({chunks})",
+                 f"{gib(m['logits_loss_bytes'])} GiB logits+loss (unchunked {gib(m['logits_loss_bytes_unchunked'])})")
+    mech.add_row("flash_attention", m["attention"], "")
+    mech.add_row("offload_params", m["offload_params"],
+                 f"{gib(m['offloaded_base_bytes_per_node'])} GiB host per node" if m["offload_params"] != "none" else "")
+    mech.add_row("offload_optimizer", m["offload_optimizer"], "")
+    mech.add_row("prefetch_layers", str(m["prefetch_layers"]), "")
+    ro = report.rollout
+    mech.add_row("rollout.kv_dtype", ro["kv_dtype"], "")
+    output.show(mech)
+    output.show("DeepSpeed config:")
+    output.emit_json(report.deepspeed_config)
+    plan = output.table("plan per phase (per GPU)", ("phase", "peak GiB", "predicted s"))
+    seconds = report.plan["phase_seconds"] or {}
+    for phase, peak in report.plan["phase_peak_bytes"].items():
+        s = seconds.get(phase)
+        plan.add_row(phase, gib(peak), "-" if s is None else f"{s:.1f}")
+    output.show(plan)
+    output.show(report.plan["verdict"])
+    check = report.machine_check
+    state = "passes here" if check["passes_here"] else "fails here"
+    output.show(f"machine check ({', '.join(check['checks'])}): needs {check['needs']}; {state}"
+                + ("" if check["passes_here"] else f": {check['message']}"))
+    for note in report.notes:
+        output.warn(note)
 
 
 def _memory_table(phases: dict, kind: str):

@@ -16,7 +16,15 @@ from orbitctl.launch.fit import check_machine
 from orbitctl.launch.ranks import launch_local, launch_nodes, multinode_command, under_launcher
 from orbitctl.rl.api import EventFn, TrainResult, load_train_profile
 
-__all__ = ["TrainResult", "load_train_profile", "train"]
+__all__ = ["TrainResult", "dry_run", "load_train_profile", "train"]
+
+
+def dry_run(profile):
+    """What :func:`train` would build for each rank, worked out without weights, GPUs or ranks
+    (:class:`~orbitctl.launch.dryrun.DryRun`)."""
+    from orbitctl.launch.dryrun import dry_run as work_out
+
+    return work_out(profile)
 
 
 def train(profile, *, fresh: bool = False, steps: int | None = None, on_event: EventFn | None = None,

@@ -27,6 +27,7 @@ from torch import nn
 
 from orbitctl.errors import UserError
 from orbitctl.model.expert_lora import expert_forward
+from orbitctl.plan.layout import owned_experts
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,7 @@ class ExpertGroup:
         if num_experts % self.size:
             raise UserError(f"memory.expert_parallel: {num_experts} routed experts do not split evenly over {self.size} ranks",
                             fix=f"use an expert-parallel size that divides {num_experts}")
-        per = num_experts // self.size
-        return range(self.rank * per, (self.rank + 1) * per)
+        return owned_experts(self.rank, self.size, num_experts)
 
 
 def _exchange_counts(send: torch.Tensor, group) -> torch.Tensor:

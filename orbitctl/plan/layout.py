@@ -112,6 +112,13 @@ def gather_window(units: list[float], prefetch_layers: int) -> float:
     return max(sum(units[i:i + window]) for i in range(len(units)))
 
 
+def owned_experts(ep_rank: int, ep_size: int, num_experts: int) -> range:
+    """The global indices of the routed experts that rank ``ep_rank`` of an expert-parallel group of ``ep_size``
+    holds: ``[r E/P, (r+1) E/P)`` (P must divide E; the caller refuses otherwise)."""
+    per = num_experts // ep_size
+    return range(ep_rank * per, (ep_rank + 1) * per)
+
+
 def widest_expert_parallel(num_experts: int, gpus_per_node: int) -> int:
     """The largest P that divides the node's GPUs and the routed experts: expert groups stay on one node's links."""
     if num_experts <= 0:
