@@ -15,6 +15,9 @@
    (POST /v1/load_lora_adapter); its sampled completions with log-probs go through
    `orbitctl verify-alignment --rollouts` against the trainer's path. Skipped, and said so, without
    vLLM; with --smoke the same step runs against `orbitctl serve` (which speaks vLLM's API).
+4. The chunked loss at Kimi-K2's output width (vocabulary 163,840, hidden 7168, 4096 tokens) and
+   the activation offload (8 layers, hidden 4096): the peak's fall and the bytes sent to host
+   against the plan's logits and boundary terms (benchmarks/memory_mechanics.py).
 
 Prints one table at the end; never part of the test suite or CI.
 """
@@ -31,6 +34,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from memory_mechanics import chunked_loss_rows, offload_rows
 from phase_memory import memory_rows, print_rows, profile_file, slice_sets, train, write_slice
 
 
@@ -82,6 +86,10 @@ def main() -> None:
     result, seconds = train(path, 2)
     rows.append(("slice train", f"{result['steps']} steps in {seconds:.0f} s", "ok" if result["steps"] else "FAIL"))
     rows += memory_rows("slice", result["last_metrics"])
+
+    # 4. the chunked loss and the activation offload against the plan
+    device = "cpu" if args.smoke else "cuda"
+    rows += chunked_loss_rows(device, args.smoke) + offload_rows(device, args.smoke)
     print_rows(rows)
 
 
