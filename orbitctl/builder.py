@@ -113,7 +113,7 @@ def load_policy(profile, base: PreparedBase, device: str | None = None):
     from transformers import AutoTokenizer
 
     from orbitctl.model.adapters import attach_bottleneck, attach_lora
-    from orbitctl.model.frozen_base import load_frozen_base
+    from orbitctl.model.frozen_base import attention_kernel, load_frozen_base
     from orbitctl.model.cpu_dtype import torch_dtype
     from orbitctl.model.expert_parallel import Lockstep
     from orbitctl.model.policy import Policy
@@ -129,14 +129,16 @@ def load_policy(profile, base: PreparedBase, device: str | None = None):
         raise UserError(f"data.chat_template: the tokenizer in {tok_dir} has no chat template",
                         fix="set data.chat_template: false, or use a model whose tokenizer_config.json has a chat_template")
     model = load_frozen_base(str(base.quantized_dir), device=device,
-                             compute_dtype=torch_dtype(profile.quant.compute_dtype, device), experts=experts)
+                             compute_dtype=torch_dtype(profile.quant.compute_dtype, device), experts=experts,
+                             attention=attention_kernel(profile.memory.flash_attention))
     hidden = int(model.config.hidden_size)
     attach = attach_lora if profile.adapter.kind == "lora" else attach_bottleneck
     model, report = attach(model, profile.adapter, hidden, seed=profile.run.seed)
     report = replace(report, dtypes=cpu_dtype.dtype_summary(profile, device))
     return Policy(model, tokenizer, report, hidden_size=hidden, adapter_kind=profile.adapter.kind,
                   gradient_checkpointing=profile.memory.gradient_checkpointing,
-                  lockstep=Lockstep() if experts is not None else None, chat_template=profile.data.chat_template)
+                  lockstep=Lockstep() if experts is not None else None, chat_template=profile.data.chat_template,
+                  kv_dtype=profile.rollout.kv_dtype)
 
 
 def expert_group(profile):

@@ -9,6 +9,7 @@
 The layout (``train`` writes it, ``verify-alignment --run`` and ``doctor`` read it)::
 
     profile.yaml          the profile the run was started with (overrides applied)
+    deepspeed_config.json the DeepSpeed config the engine was built with (ZeRO stage, offload, prefetch)
     metrics.jsonl         one JSON object per optimizer step (docs/train.md)
     summary.json          written last: status, steps, accuracy before/after
     adapter/              the final adapter, PEFT format
@@ -163,6 +164,7 @@ class RunDir:
     PROFILE = "profile.yaml"
     METRICS = "metrics.jsonl"
     SUMMARY = "summary.json"
+    DEEPSPEED_CONFIG = "deepspeed_config.json"
     ADAPTER = "adapter"
     CHECKPOINTS = "checkpoints"
     REPORT = "report"
@@ -170,7 +172,7 @@ class RunDir:
     """The marker a checkpoint gets last; a checkpoint without it is partial."""
     TRAINER_STATE = "trainer.json"
     """The trainer's own state inside a checkpoint (step, data cursor, dtypes, threads)."""
-    OWNED = (CHECKPOINTS, ADAPTER, METRICS, SUMMARY, PROFILE)
+    OWNED = (CHECKPOINTS, ADAPTER, METRICS, SUMMARY, PROFILE, DEEPSPEED_CONFIG)
     """What ``--fresh`` removes."""
 
     def __init__(self, root: str | Path):
@@ -182,6 +184,7 @@ class RunDir:
     profile = property(lambda self: self.root / self.PROFILE)
     metrics = property(lambda self: self.root / self.METRICS)
     summary = property(lambda self: self.root / self.SUMMARY)
+    deepspeed_config = property(lambda self: self.root / self.DEEPSPEED_CONFIG)
     adapter = property(lambda self: self.root / self.ADAPTER)
     checkpoints = property(lambda self: self.root / self.CHECKPOINTS)
     report = property(lambda self: self.root / self.REPORT)

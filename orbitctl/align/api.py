@@ -321,9 +321,11 @@ def _from_rollouts(report: AlignmentReport, profile, path: str, temperature: flo
                                                torch.ones_like(completion), train=True)[0]
             compute_dtype = str(raw.dtype).removeprefix("torch.")
             logits = raw.float().cpu() / temperature
-            # the floor: the trainer's own KV-cache decode of the engine's tokens against its full forward
+            # the floor: the trainer's own KV-cache decode (in the compute dtype, whatever rollout.kv_dtype says)
+            # of the engine's tokens against its full forward
             own = policy.sample(prompt, torch.ones_like(prompt), max_new_tokens=0, temperature=temperature, top_p=1.0,
-                                generator=None, keep_logits=True, forced=(completion, torch.ones_like(completion)))
+                                generator=None, keep_logits=True, forced=(completion, torch.ones_like(completion)),
+                                kv_dtype="bf16")
             floor_table.add(logits[rows], own.logits[0, rows], completion[0, rows])
             logit_absmax = max(logit_absmax, float(logits[rows].abs().max()))
             width = max(len(r.top_ids[j]) for j in rows)

@@ -16,6 +16,7 @@ streamed response, or a ``/generate`` batch: see :mod:`orbitctl.align.rollout_fi
   (vLLM's ``--return-tokens-as-token-ids``).
 - SGLang native ``/generate``: ``{"text": str, "meta_info": {"output_token_logprobs": [[logprob, id,
   text | null]], "output_top_logprobs": [[[logprob, id, text | null], ...] | null per position],
+  (``[logprob, id]`` pairs, as lmdeploy's SGLang-compatible server sends them, read the same),
   "finish_reason": {"type": ...}}}``, under ``"response"`` beside the request (its ``"text"`` or
   ``"input_ids"`` is the prompt; the request may also sit under ``"request"``), or merged at top level
   with ``"input_ids"`` (there ``"text"`` is the completion). Ids come with every token.
@@ -183,7 +184,8 @@ def _read_sglang_batch(path: Path, record: Record, fields: dict, responses: list
 
 
 def _read_sglang(path: Path, line: int, fields: dict, response: dict, prefix: str, index: int) -> EngineCompletion:
-    """One SGLang ``/generate`` response: ``meta_info.output_token_logprobs`` as ``[logprob, id, text | null]``."""
+    """One SGLang ``/generate`` response: ``meta_info.output_token_logprobs`` as ``[logprob, id, text | null]``
+    triples or ``[logprob, id]`` pairs."""
     where = f"{path}:{line}"
     meta, key = response["meta_info"], f"{prefix}meta_info"
     if not isinstance(meta, dict):
@@ -225,12 +227,14 @@ def _read_sglang(path: Path, line: int, fields: dict, response: dict, prefix: st
 
 
 def _triple(where: str, value, key: str) -> tuple:
-    if not (isinstance(value, list) and len(value) == 3 and isinstance(value[0], (int, float))
+    """``[logprob, token_id, text | null]`` (SGLang) or ``[logprob, token_id]`` (lmdeploy's SGLang-compatible
+    server: no text slot) as (logprob, token_id, text or None)."""
+    if not (isinstance(value, list) and len(value) in (2, 3) and isinstance(value[0], (int, float))
             and not isinstance(value[0], bool) and isinstance(value[1], int) and not isinstance(value[1], bool)
-            and value[1] >= 0 and (value[2] is None or isinstance(value[2], str))):
-        raise _fail(where, f"{json.dumps(value)[:60]} is not a [logprob, token_id, text | null] triple", key,
-                    "store SGLang's meta_info unchanged (return_logprob: true)")
-    return value[0], value[1], value[2]
+            and value[1] >= 0 and (len(value) == 2 or value[2] is None or isinstance(value[2], str))):
+        raise _fail(where, f"{json.dumps(value)[:60]} is not a [logprob, token_id, text | null] triple or a "
+                    "[logprob, token_id] pair", key, "store SGLang's meta_info unchanged (return_logprob: true)")
+    return value[0], value[1], value[2] if len(value) == 3 else None
 
 
 def _int_list(where: str, value, key: str) -> list[int] | None:

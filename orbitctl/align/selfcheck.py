@@ -11,10 +11,12 @@ By default the two paths share one model: the adapter-first premise (same quanti
 same unmerged adapter), and then the comparison is the kernel floor itself
 (:mod:`orbitctl.align.floor`). ``infer_quant`` serves the infer path from a copy of the same
 source weights stored in another format, and ``perturb`` scales one layer's norm weights on that
-copy: the what-if and the injected fault the gates must catch. With a separate copy the trainer's
-own weights also decode the sampled tokens through the KV cache (teacher-forced), which measures
-the floor beside the comparison; ``--per-layer`` names a layer only where its error stands clear
-of that floor.
+copy: the what-if and the injected fault the gates must catch. ``rollout.kv_dtype: fp8`` keeps the
+infer path's KV cache in float8 (:mod:`orbitctl.model.kv_cache`), as the rollout does; the train path
+has no cache, so this is the what-if of an fp8 cache on the same weights. With a separate copy or an
+fp8 cache the trainer's own weights also decode the sampled tokens through a KV cache in the compute
+dtype (teacher-forced), which measures the floor beside the comparison; ``--per-layer`` names a layer
+only where its error stands clear of that floor.
 """
 
 from __future__ import annotations
@@ -68,10 +70,13 @@ class InternalComparison:
     """What differs between the paths at the first jump, from how the infer path was built."""
     floor: KernelFloor | None = None
     """The same-weights residual of the two paths on this machine (this comparison, or a second pass)."""
+    kv_dtype: str = "bf16"
+    """How the infer path kept its KV cache (``rollout.kv_dtype``)."""
 
     def describe(self) -> dict:
         doc = {"source": "internal", "train_path": self.train_path, "infer_path": self.infer_path,
-               "adapter": self.adapter, "prompts": self.prompts, "completions": self.completions}
+               "kv_dtype": self.kv_dtype, "adapter": self.adapter, "prompts": self.prompts,
+               "completions": self.completions}
         if self.layers is not None:
             doc["per_layer"] = [{"index": e.index, "name": e.name, "rel_error": e.rel_error} for e in self.layers]
             doc["first_jump"] = None if self.jump is None else {"index": self.jump.index, "name": self.jump.name,
@@ -145,7 +150,8 @@ def first_jump(errors: list[LayerError], floor: float = JUMP_FLOOR,
     return None
 
 
-def jump_cause(jump: LayerError, infer_quant: str | None, train_fmt: str, perturb: Perturbation | None) -> str:
+def jump_cause(jump: LayerError, infer_quant: str | None, train_fmt: str, perturb: Perturbation | None,
+               kv_dtype: str = "bf16") -> str:
     """Name the difference the two paths can have at this layer, given how the infer path was built."""
     if perturb is not None and jump.name == f"layers.{perturb.layer}":
         return "weights: the infer copy's weights differ from the trainer's here"
@@ -156,6 +162,9 @@ def jump_cause(jump: LayerError, infer_quant: str | None, train_fmt: str, pertur
                 f"starts at the first quantized layer")
     if jump.name == "embeddings":
         return "embedding lookup: the paths read different embedding weights"
+    if kv_dtype != "bf16":
+        return (f"the KV cache: the infer path's attention reads K/V rounded to {kv_dtype} (rollout.kv_dtype), "
+                f"the full-sequence forward reads them unrounded")
     return ("the forward path: the weights and adapter are the same objects, so the KV-cache decode "
             "or the attention kernel differs from the full-sequence forward at this layer")
 
@@ -188,6 +197,7 @@ def compare_internal(profile, *, adapter: str | Path | None = None, prompts: lis
     else:
         load_adapter_into(train_policy, adapter_dir, profile.adapter.kind)
     train_fmt = profile.quant.format if profile.quant.format != "none" else "bf16"
+    kv_dtype = profile.rollout.kv_dtype
     infer_policy, infer_desc = train_policy, f"{train_fmt}, same weights (KV-cache decoding)"
     if infer_quant is not None or perturb is not None:
         infer_profile = _with_format(profile, infer_quant or train_fmt)
@@ -202,13 +212,17 @@ def compare_internal(profile, *, adapter: str | Path | None = None, prompts: lis
         if perturb is not None:
             _perturb(infer_policy, perturb)
             infer_desc += f", layer {perturb.layer} norm perturbed x(1 + {perturb.scale:g}*N(0,1))"
+    if kv_dtype != "bf16":
+        infer_desc = (f"{train_fmt}, same weights" if infer_policy is train_policy else infer_desc) + \
+            ", KV cache in fp8 (float8 e4m3, one scale per token and KV head)"
 
     temperature = profile.rollout.temperature
     # both paths hold [batch, new tokens, vocab] float32 logits at once: keep that under the budget
     vocab = int(train_policy.model.config.vocab_size)
     batch_size = max(1, min(batch_size, LOGITS_BUDGET_BYTES // (2 * 4 * vocab * profile.rollout.max_new_tokens)))
     table = TokenTable(k=profile.alignment.top_k)
-    separate = infer_policy is not train_policy
+    # a separate copy or an fp8 cache: the floor is measured beside the comparison
+    separate = infer_policy is not train_policy or kv_dtype != "bf16"
     floor_table = TokenTable(k=profile.alignment.top_k) if separate else table
     generator = torch.Generator().manual_seed(profile.run.seed * 7919 + 17)
     sq_diff = sq_norm = floor_sq_diff = None
@@ -234,10 +248,11 @@ def compare_internal(profile, *, adapter: str | Path | None = None, prompts: lis
         infer_logp.append(samples.logprobs[keep].double())
         completions += len(chunk)
         own = None
-        if separate:  # the trainer's weights through the KV cache on the same tokens: the floor
+        if separate:  # the trainer's weights through a compute-dtype KV cache on the same tokens: the floor
             own = train_policy.sample(samples.prompt_ids, samples.prompt_mask, max_new_tokens=0,
                                       temperature=temperature, top_p=1.0, generator=None, keep_logits=True,
-                                      keep_hidden=per_layer, forced=(samples.completion_ids, samples.completion_mask))
+                                      keep_hidden=per_layer, forced=(samples.completion_ids, samples.completion_mask),
+                                      kv_dtype="bf16")
             floor_table.add(train_logits[keep], own.logits[keep], samples.completion_ids[keep])
         if per_layer:
             diff = _sq_error(train_hidden, samples.hidden, keep)
@@ -252,7 +267,8 @@ def compare_internal(profile, *, adapter: str | Path | None = None, prompts: lis
     result = InternalComparison(table, f"{train_fmt}, full-sequence forward (train mode, checkpointing "
                                        f"{'on' if profile.memory.gradient_checkpointing else 'off'})",
                                 infer_desc, str(adapter_dir) if adapter_dir else "fresh (untrained)",
-                                len(prompts), completions, notes=notes, infer_token_logp=torch.cat(infer_logp))
+                                len(prompts), completions, notes=notes, infer_token_logp=torch.cat(infer_logp),
+                                kv_dtype=kv_dtype)
     floor_layers = None
     if per_layer:
         rel = _relative(sq_diff, sq_norm)
@@ -260,10 +276,10 @@ def compare_internal(profile, *, adapter: str | Path | None = None, prompts: lis
         floor_layers = _relative(floor_sq_diff, sq_norm) if separate else rel
         result.jump = first_jump(result.layers, kernel_floor=floor_layers if separate else None)
         if result.jump is not None:
-            result.jump_cause = jump_cause(result.jump, infer_quant, train_fmt, perturb)
+            result.jump_cause = jump_cause(result.jump, infer_quant, train_fmt, perturb, kv_dtype)
     result.floor = floor_from_table(
         floor_table, compute_dtype=compute_dtype or "bfloat16", logit_absmax=logit_absmax, layers=floor_layers,
-        measured_as=("the trainer's weights decoded through the KV cache on the same tokens vs its "
+        measured_as=("the trainer's weights decoded through a compute-dtype KV cache on the same tokens vs its "
                      "full-sequence forward") if separate else SAME_MODEL)
     return result
 

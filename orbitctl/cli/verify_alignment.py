@@ -96,7 +96,9 @@ def render(report, plot: str | None) -> None:
         if floor.is_the_comparison:
             output.show("this comparison is the floor: both paths run the same model")
         elif times.get("js") is not None:
-            output.show(f"this comparison is {times['js']:.3g}x the floor in JS (mean)")
+            l1 = times.get("logsoftmax_l1")
+            output.show(f"this comparison is {times['js']:.3g}x the floor in JS"
+                        + (f", {l1:.3g}x in log-softmax L1" if l1 is not None else "") + " (means)")
     if report.layers:
         layers = output.table("hidden-state relative error by layer", ("layer", "rel. error"))
         jump = src.get("first_jump")

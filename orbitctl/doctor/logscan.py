@@ -217,7 +217,7 @@ def scan_lines(lines: list[str]) -> Scan:
                     if rank is None and elastic_rank and no - elastic_rank[0] <= 3:
                         rank = elastic_rank[1]
                 ev = Event(sig, no, rank, stripped[:300], {k: v for k, v in m.groupdict().items() if v is not None})
-                if sig.id == "oom":
+                if sig.id in ("oom", "ray.oom"):  # the numbers follow on this line or the next few
                     ev.window = " ".join(x.strip() for x in lines[no - 1:no + 5])[:8 * MAX_LINE]
                 if sig.id.startswith("nccl.") and sig.id in ("nccl.err", "nccl.sys", "nccl.cuda", "nccl.int", "nccl.remote"):
                     last_error_event = ev

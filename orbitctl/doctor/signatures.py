@@ -184,14 +184,28 @@ SIGNATURES: list[Signature] = [
          severity=WARN, priority=24),
     _sig("host.oom", r"exits with return code = -9|exitcode\s*:\s*-9\b|Killed process \d+|Out of memory: Kill|"
          r"Signal 9 \(SIGKILL\) received by PID|terminated with signal SIGKILL|oom-kill:|^\s*Killed\s*$|"
-         r"is killed by signal: Killed|Task was killed due to the node running low on memory|"
-         r"killed due to memory pressure \(OOM\)",
+         r"is killed by signal: Killed",
          ("-9", "killed process", "out of memory: kill", "sigkill", "oom-kill", "killed"),
          "host RAM exhausted: the kernel's OOM killer sent SIGKILL (exit code -9)",
          "Check `dmesg | grep -i 'killed process'`; reduce host memory: memory.offload_optimizer/offload_params: none or a "
          "smaller model shard per process, fewer dataloader workers, load checkpoints with low_cpu_mem_usage; or add RAM/swap",
-         # Ray's memory monitor raises ray.exceptions.OutOfMemoryError for host RAM, not GPU memory
          priority=78, supersedes=("oom", "launcher"), flags=re.M),
+    # Ray's memory monitor (the raylet kills a worker before the kernel would): the worker's exit detail, the
+    # driver's ray.exceptions.OutOfMemoryError around it, and the raylet's periodic summary. Host RAM, not GPU
+    # memory; triage files it under log.host.oom with this cause and fix.
+    _sig("ray.oom", r"which exceeds the memory usage threshold of (?P<thr>\d+(?:\.\d+)?)|Ray killed this worker \(ID:|"
+         r"Task was killed due to the node running low on memory|killed due to memory pressure \(OOM\)|"
+         r"ray\.exceptions\.OutOfMemoryError",
+         ("memory usage threshold", "ray killed this worker", "running low on memory", "memory pressure (oom)",
+          "ray.exceptions.outofmemoryerror"),
+         "host RAM exhausted: Ray's memory monitor killed a worker (the node's memory use passed "
+         "RAY_memory_usage_threshold)",
+         "Need less host RAM per node: fewer Ray workers or actors per node (request more CPUs per task), "
+         "memory.offload_optimizer/offload_params/offload_activations: none (offloading keeps those states in host "
+         "RAM), or a node with more RAM; only when the usage is expected, raise the threshold when starting Ray "
+         "(RAY_memory_usage_threshold=0.98; RAY_memory_monitor_refresh_ms=0 turns the monitor off and leaves the "
+         "kernel's OOM killer); `ray logs raylet.out -ip <node>` lists the top memory users",
+         priority=81, supersedes=("oom", "host.oom", "ray.died", "launcher")),
     # Ray: a worker that died, and the thread/process limit that Ray's generic hint blames on the OOM killer
     _sig("ray.threads", r"pthread_create failed|[Tt]hread creation failed: Resource temporarily unavailable|"
          r"thread: Resource temporarily unavailable|can't start new thread|Failed to create new thread|fork: retry: "
@@ -376,6 +390,11 @@ SIGNATURES: list[Signature] = [
          "deprecated variable name (harmless)", "unset NCCL_ASYNC_ERROR_HANDLING; export TORCH_NCCL_ASYNC_ERROR_HANDLING=3",
          severity=INFO, priority=0),
 ]
+
+# The node's memory in Ray's memory-monitor message ("... was 27.71GB / 28.80GB (0.962273), which exceeds the memory
+# usage threshold of 0.95"), read into the host OOM finding's evidence.
+RAY_NODE_MEMORY = re.compile(r"was (?P<used>[\d.]+ ?[KMGT]i?B) / (?P<total>[\d.]+ ?[KMGT]i?B) \((?P<frac>\d+(?:\.\d+)?)\), "
+                             r"which exceeds the memory usage threshold of (?P<thr>\d+(?:\.\d+)?)")
 
 # Sub-rows of the OOM message, read by orbitctl.doctor.oom from the text around an `oom` match.
 OOM_PARTS = {

@@ -17,7 +17,7 @@ from orbitctl.doctor.groups import Group, ranges
 from orbitctl.doctor.logscan import Event, Scan, scan_lines, split_lines, unwrap
 from orbitctl.doctor.oom import FIX_BY_KIND, OomDetails, parse_oom
 from orbitctl.doctor.rules import CONSEQUENCE_PRIORITY, apply_rules, launcher_rank
-from orbitctl.doctor.signatures import FAQ_OOM
+from orbitctl.doctor.signatures import FAQ_OOM, RAY_NODE_MEMORY
 from orbitctl.doctor.xid import classify_xid
 
 # An unexplained Python exception outranks peers exiting and timeouts, and nothing else.
@@ -122,6 +122,8 @@ def _classify(ev: Event) -> tuple[str, str, str, int, str]:
         ev.groups["xid_code"] = code
         priority = {FAIL: 100, WARN: 60, INFO: 15}[severity]
         return "log.xid", f"Xid {code}: {meaning}", severity, priority, fix
+    if sig.id == "ray.oom":  # host RAM like the kernel's OOM killer, with Ray's own cause and fix
+        return "log.host.oom", sig.cause, sig.severity, sig.priority, sig.fix
     if sig.id == "train.scale":
         scale = float(ev.groups.get("to") or ev.groups.get("to2"))
         ev.groups["scale"] = scale
@@ -155,6 +157,14 @@ def _enrich(g: Group, groups: dict[str, Group]) -> None:
         g.evidence.append(f"loss scale down to {min(scales):g} after {len(scales)} overflow(s)")
     elif g.id in ENGINE_IDS:
         message_advice(g)
+    elif g.id == "log.host.oom":
+        g.data["ray_memory_monitor"] = any(e.sig is not None and e.sig.id == "ray.oom" for e in g.events)
+        node = next((m for m in (RAY_NODE_MEMORY.search(e.window or e.text) for e in g.events) if m), None)
+        if node is not None:
+            g.data["ray_node_memory"] = {"used": node["used"], "total": node["total"], "fraction": float(node["frac"]),
+                                         "threshold": float(node["thr"])}
+            g.evidence.append(f"node memory {node['used']} / {node['total']} ({float(node['frac']):.3f}) over Ray's "
+                              f"threshold {node['thr']} (RAY_memory_usage_threshold)")
     details = sorted({e.detail for e in g.events if e.detail})
     if details:
         g.evidence.append("Last error: " + " | ".join(details[:3]))

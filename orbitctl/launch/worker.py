@@ -4,7 +4,7 @@ It reads the resolved profile and the run's options from the launch directory an
 trainer on this rank. Rank 0 appends every event to ``events.jsonl`` and writes ``result.json``
 when the run ends. An error becomes one message in the error file the elastic launcher names
 (``TORCHELASTIC_ERROR_FILE``) and this process's exit code (2 bad input, 1 a failed run), so the
-launching process reports this rank's own message.
+launching process reports this rank's own message. A rank does not outlive its launcher.
 """
 
 from __future__ import annotations
@@ -23,8 +23,25 @@ def _record_error(message: str) -> None:
         Path(target).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
 
 
+def _die_with_launcher() -> None:
+    """Have the kernel SIGKILL this rank when the process that started it dies (Linux), so a launcher that is
+    killed or times out leaves no rank behind still training, holding the CPU or writing into the run
+    directory that the next run resumes from."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+    if os.getppid() == 1:  # the launcher died before the request was in place: this rank was orphaned already
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main(argv: list[str] | None = None) -> int:
     import warnings
+
+    _die_with_launcher()
 
     from orbitctl.errors import OrbitError
     from orbitctl.launch.ranks import LaunchDir

@@ -327,7 +327,23 @@ def load_bottleneck(model, directory: str | Path) -> None:
                 lin.bias.copy_(tensors[f"layers.{i}.{part}.bias"])
 
 
+@contextmanager
+def adapter_gathered(model):
+    """Collective under ZeRO-3 (every rank enters it): the adapter parameters ZeRO-3 partitioned are whole on
+    every rank inside the block, so that rank 0 can save them (:func:`save_adapter`); outside ZeRO-3 a no-op.
+    A partitioned parameter outside a gather holds no elements, and a save would write empty tensors."""
+    partitioned = [p for p in model.parameters() if p.requires_grad and hasattr(p, "ds_id")]
+    if not partitioned:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+        yield
+
+
 def save_adapter(model, directory: str | Path, kind: str, hidden_size: int) -> None:
+    """The adapter in its saved format (PEFT for LoRA); under ZeRO-3 inside :func:`adapter_gathered`."""
     if kind == "lora":
         model.save_pretrained(str(directory), safe_serialization=True)
         _save_expert_adapters(model, Path(directory))

@@ -39,14 +39,21 @@ def checkpoint_format(path: str | Path) -> str:
         raise UserError(f"{config_file}: {exc}", fix="load checkpoints written by orbitctl quantize") from exc
 
 
+def attention_kernel(flash_attention: bool) -> str:
+    """transformers' ``attn_implementation`` for ``memory.flash_attention``: PyTorch SDPA (a fused kernel
+    that keeps no score matrix), or the eager softmax(QK^T)V whose ``[heads, seq, seq]`` scores autograd keeps."""
+    return "sdpa" if flash_attention else "eager"
+
+
 def load_frozen_base(quantized_dir: str | Path, *, device: str | torch.device = "cpu",
-                     compute_dtype: torch.dtype = torch.bfloat16, experts=None):
+                     compute_dtype: torch.dtype = torch.bfloat16, experts=None, attention: str = "sdpa"):
     """The frozen base model of ``quantized_dir`` on ``device``, every parameter with requires_grad=False.
 
     ``compute_dtype`` is the dtype the model computes in, whatever the checkpoint's config.json
     says: the unquantized weights are loaded in it and the NF4/FP4 layers dequantize to it.
     ``experts`` (an :class:`~orbitctl.model.expert_parallel.ExpertGroup`) loads only this rank's
     share of every MoE layer's routed experts, reading only their tensors (int4 and fp8 checkpoints).
+    ``attention`` is the attention kernel (:func:`attention_kernel`), the same on the infer and train paths.
     """
     from transformers import AutoModelForCausalLM
 
@@ -56,9 +63,10 @@ def load_frozen_base(quantized_dir: str | Path, *, device: str | torch.device = 
         raise UserError(f"{path}: expert parallelism loads int4 or fp8 experts, this checkpoint is {fmt}",
                         fix="set quant.format: int4 (or fp8), or memory.expert_parallel: 1")
     if fmt in ("int4", "fp8"):
-        model = _load_with_quant_linear(path, torch.device(device), compute_dtype, experts)
+        model = _load_with_quant_linear(path, torch.device(device), compute_dtype, experts, attention)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype, device_map=str(device))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype, device_map=str(device),
+                                                     attn_implementation=attention)
         _cast_unquantized(model, compute_dtype)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -97,7 +105,8 @@ def load_frozen_base_for_profile(profile, *, device: str | torch.device = "cpu")
                         fix="run orbitctl quantize PROFILE again, or set quant.format to match")
     from orbitctl.model.cpu_dtype import torch_dtype
 
-    return load_frozen_base(path, device=device, compute_dtype=torch_dtype(profile.quant.compute_dtype, device))
+    return load_frozen_base(path, device=device, compute_dtype=torch_dtype(profile.quant.compute_dtype, device),
+                            attention=attention_kernel(profile.memory.flash_attention))
 
 
 def model_memory_bytes(model: nn.Module) -> dict[str, int]:
@@ -123,7 +132,8 @@ def model_memory_bytes(model: nn.Module) -> dict[str, int]:
             "total": params + buffers + quant_state, "trainable_params": trainable}
 
 
-def _load_with_quant_linear(path: Path, device: torch.device, compute_dtype: torch.dtype, experts=None):
+def _load_with_quant_linear(path: Path, device: torch.device, compute_dtype: torch.dtype, experts=None,
+                            attention: str = "sdpa"):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -134,7 +144,7 @@ def _load_with_quant_linear(path: Path, device: torch.device, compute_dtype: tor
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype, attn_implementation=attention)
     shapes = {name: e.shape for name, e in ckpt.entries.items()}
     elsewhere = _swap_modules(model, shapes, experts)
     _load_tensors(model, ckpt, device, elsewhere)

@@ -1,10 +1,12 @@
 """The policy: one frozen quantized base plus unmerged adapters, seen through two paths.
 
 * infer path (:meth:`Policy.sample`, :meth:`Policy.greedy`): eval mode, no grad, incremental
-  decoding with a KV cache; records each sampled token's log-prob and, when asked, the full
+  decoding with a KV cache (in the compute dtype, or float8 with ``rollout.kv_dtype: fp8``:
+  :mod:`orbitctl.model.kv_cache`); records each sampled token's log-prob and, when asked, the full
   log-distribution (cheap for small vocabularies, what the align loss uses).
 * train path (:meth:`Policy.completion_logits`): train mode, full-sequence forward with
-  gradient checkpointing, adapters active.
+  gradient checkpointing, adapters active; :meth:`Policy.completion_hidden` stops before the
+  output layer, for a loss that applies it a chunk of positions at a time.
 
 Both paths number positions from the first real token, so left padding never shifts a
 sequence's positions (a plain forward would count the padding and disagree with decoding).
@@ -13,6 +15,7 @@ The reference policy is :meth:`reference_logits`: the same weights with adapters
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -58,12 +61,16 @@ class Policy:
     """Frozen base + adapters; ``model`` is a PeftModel (LoRA) or the base with bottleneck layers."""
 
     def __init__(self, model, tokenizer, report: AdapterReport, *, hidden_size: int, adapter_kind: str,
-                 gradient_checkpointing: bool = True, lockstep=None, chat_template: bool = False) -> None:
+                 gradient_checkpointing: bool = True, lockstep=None, chat_template: bool = False,
+                 kv_dtype: str = "bf16") -> None:
         from orbitctl.model.expert_parallel import SOLO
 
         self.model = model
         self.chat_template = chat_template
         """Render prompts with the tokenizer's chat template (``data.chat_template``)."""
+        self.kv_dtype = kv_dtype
+        """How the infer path keeps its KV cache (``rollout.kv_dtype``; :mod:`orbitctl.model.kv_cache`): ``bf16`` in
+        the compute dtype, ``fp8`` in float8 e4m3 with a scale per token and KV head. The train path has no cache."""
         self.lockstep = lockstep or SOLO
         """Keeps expert-parallel ranks calling the model alike (:class:`~orbitctl.model.expert_parallel.Lockstep`)."""
         self.tokenizer = tokenizer
@@ -120,7 +127,7 @@ class Policy:
 
     def sample(self, prompt_ids, prompt_mask, *, max_new_tokens: int, temperature: float, top_p: float,
                generator, keep_dist: bool = False, keep_logits: bool = False,
-               keep_hidden: bool = False, forced=None, draws=None) -> Samples:
+               keep_hidden: bool = False, forced=None, draws=None, kv_dtype: str | None = None) -> Samples:
         """Sample one completion per row; temperature 0 is greedy.
 
         ``keep_logits`` / ``keep_hidden`` record, per generated token, the scaled logits and the
@@ -130,8 +137,11 @@ class Policy:
         for tokens another sampler chose, which is how the kernel floor is measured.
         ``draws`` (:class:`~orbitctl.model.draws.KeyedDraws`, one key per row) replaces ``generator`` when
         sampling: each row's tokens then depend on its key, not on the batch it is sampled in.
+        ``kv_dtype`` overrides :attr:`kv_dtype` for this call (the kernel floor decodes in the compute dtype).
         """
         import torch
+
+        from orbitctl.model.kv_cache import new_kv_cache
 
         if forced is not None:
             forced_ids, forced_mask = (t.to(self.device) for t in forced)
@@ -143,8 +153,10 @@ class Policy:
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
         with torch.no_grad():
             mask = prompt_mask.clone()
+            fresh = new_kv_cache(kv_dtype or self.kv_dtype)  # None: the model starts its own
             out = self.model(input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids_for(mask),
-                             use_cache=True, output_hidden_states=keep_hidden, **self._last_logits(1))
+                             use_cache=True, output_hidden_states=keep_hidden, **self._last_logits(1),
+                             **({} if fresh is None else {self._cache_kw: fresh}))
             cache, logits = getattr(out, self._cache_kw), out.logits[:, -1, :]
             next_pos = mask.sum(-1, keepdim=True)
             finished = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -224,9 +236,39 @@ class Policy:
             return logits
         return logits, torch.stack([h[:, start:start + length, :].float() for h in out.hidden_states], dim=2)
 
+    @property
+    def output_layer(self):
+        """The output layer (lm_head) as the forward calls it: the same module, weights (tied or not) and hooks."""
+        return self.model.get_output_embeddings()
+
+    def completion_hidden(self, prompt_ids, prompt_mask, completion_ids, completion_mask, *, train: bool = True):
+        """The final hidden states (after the last norm) that :meth:`completion_logits` feeds the output layer,
+        [B, T, H]: for a caller that applies :attr:`output_layer` itself, a chunk of positions at a time
+        (``memory.loss_chunk_size``: :mod:`orbitctl.rl.chunked_loss`).
+
+        The same forward runs, ``logits_to_keep`` included, with the output layer passing its input through, so
+        whatever wraps it (DeepSpeed's hooks) sees the call as before and no [B, T, V] tensor is made.
+        """
+        with _passed_through(self.output_layer):
+            return self.completion_logits(prompt_ids, prompt_mask, completion_ids, completion_mask, train=train)
+
     def reference_logits(self, prompt_ids, prompt_mask, completion_ids, completion_mask):
         """The reference policy (adapters disabled, no grad): no second copy of the model."""
         import torch
 
         with torch.no_grad(), adapters_disabled(self.model):
             return self.completion_logits(prompt_ids, prompt_mask, completion_ids, completion_mask, train=False)
+
+
+@contextmanager
+def _passed_through(layer):
+    """While active, ``layer`` returns its input: its hooks still run, its own computation does not."""
+    own = layer.__dict__.get("forward")  # a hook library may have set forward on the instance
+    layer.forward = lambda hidden, *args, **kwargs: hidden
+    try:
+        yield
+    finally:
+        if own is None:
+            del layer.forward
+        else:
+            layer.forward = own

@@ -145,7 +145,7 @@ def _mlp_core(arch: ArchSpec, layer: Layer, ad: AdapterPlan) -> tuple[float, flo
         core += 6 * arch.shared_intermediate_size
         down += 2 * arch.shared_intermediate_size if _adapted(layer, ad, ("down_proj",), (SHARED_EXPERT,)) else 0
     # LoRA on stacked expert parameters builds W + BA for every expert in bf16
-    materialized = sum(2 * w.numel for w in layer.weights if w.kind == EXPERT) if ad.adapts_routed_experts else 0.0
+    materialized = sum(2 * w.numel for w in layer.weights if w.kind == EXPERT) if ad.targets_routed_experts else 0.0
     return core, down, materialized
 
 

@@ -65,7 +65,9 @@ class AdapterPlan:
     """Parameters in matrices below DeepSpeed's persistence threshold (10 x hidden): never partitioned."""
     adapted: frozenset[tuple[int, str]]
     """(layer index, weight name) of every adapted linear weight."""
-    adapts_routed_experts: bool
+    targets_routed_experts: bool
+    """``adapter.targets`` selects the routed experts' own weights (``attention+mlp``, ``all-linear`` or their names):
+    PEFT LoRA over the stacked experts, which builds every expert's bf16 weight. Not ``adapter.experts``."""
     expert_layout: str = "none"
     """``adapter.experts``: the routed experts' own adapters (computed on the routed tokens, never materialised)."""
     expert_rank: int = 0
@@ -74,6 +76,15 @@ class AdapterPlan:
 
     def adapted_in(self, layer_index: int, name: str) -> bool:
         return (layer_index, name) in self.adapted
+
+
+def routed_expert_adapters(ad: AdapterPlan, bytes_per_param: int) -> dict:
+    """What the plan counts for the routed experts' adapters, as ``plan --json`` reports it (``details``):
+    ``layout`` (``adapter.experts``: none, shared, shared-outer, per-expert), ``rank``, ``params`` (all MoE layers,
+    included in ``params_trainable``), ``bytes`` (those parameters in the adapter dtype) and ``via_targets``
+    (``adapter.targets`` also puts PEFT LoRA on the stacked experts)."""
+    return {"layout": ad.expert_layout, "rank": ad.expert_rank, "params": ad.expert_params,
+            "bytes": ad.expert_params * bytes_per_param, "via_targets": ad.targets_routed_experts}
 
 
 def adapter_rank(adapter, hidden_size: int) -> int:

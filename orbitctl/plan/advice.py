@@ -83,7 +83,7 @@ def _candidates(profile, plan: MemoryPlan, arch) -> list[tuple[dict[str, Any], s
         out.append(({"rollout.engine": "shared"}, "roll out on the trainer's own weights (no second copy)"))
     if ro.kv_dtype == "bf16" and plan.peak_phase == "rollout":
         out.append(({"rollout.kv_dtype": "fp8"}, "FP8 KV cache for rollout"))
-    if plan.details.get("adapts_routed_experts"):
+    if plan.details["routed_expert_adapters"]["via_targets"]:
         out.append(({"adapter.targets": "attention+shared"}, "adapt attention and shared MLPs, not routed experts"))
     if mem.offload_optimizer == "none" and mem.zero_stage >= 1:
         out.append(({"memory.offload_optimizer": "cpu"}, "offload the fp32 master and Adam states to host RAM"))

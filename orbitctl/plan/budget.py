@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from orbitctl.arch.spec import ArchSpec
 from orbitctl.plan.activations import ActivationSettings, train_activations
-from orbitctl.plan.adapters import AdapterPlan, plan_adapters
+from orbitctl.plan.adapters import AdapterPlan, plan_adapters, routed_expert_adapters
 from orbitctl.plan.comm import (all_to_all_buffers, bytes_text, communication, compute_dtype_bytes, decoded_tokens,
                                 prompt_tokens, rollout_batch)
 from orbitctl.plan.layout import Layout, gather_units, gather_window, host_base, layout_of, resident_base
@@ -74,9 +74,8 @@ def _kv_cache(profile, arch: ArchSpec, mb: int) -> tuple[float, int]:
     """KV bytes per GPU of the rollout batch, and the sequences decoded per GPU."""
     ro = profile.rollout
     seqs = rollout_batch(profile, mb)
-    kv_bytes = 1 if ro.kv_dtype == "fp8" else 2
     tp = ro.engine_tp if ro.engine == "separate" else 1
-    per_token = arch.num_layers * arch.kv_elements_per_token_layer() * kv_bytes
+    per_token = arch.num_layers * arch.kv_bytes_per_token_layer(ro.kv_dtype)
     if arch.attention == "mla":
         replication = tp  # one latent 'head': every TP rank keeps the whole latent
     else:
@@ -151,7 +150,7 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
     largest = storage.largest_dequant_bytes // 2  # elements of the largest quantized matrix
     fixed["dequant_workspace"] = largest * (INT4_WORKSPACE_BYTES + (cdt if cdt != 4 else 0)) if workspace else 0
     dequant = 0.0 if workspace else float(storage.largest_dequant_bytes)
-    if ad.adapts_routed_experts:
+    if ad.targets_routed_experts:
         notes.append("adapters on routed experts: PEFT builds every expert's bf16 weight per MoE layer "
                      f"({storage.layer_expert_bf16_bytes / GiB:.1f} GiB); prefer adapter.targets: attention+shared")
     if ad.expert_layout != "none":
@@ -233,7 +232,8 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
                  "activation_peak_moment": acts.moment, "quant_bits_per_weight": round(fmt.bits, 4),
                  "base_total_bytes": int(storage.total_bytes), "adapter_rank": ad.rank,
                  "rollout_sequences_per_gpu": seqs, "mtp_params_excluded": arch.mtp_params,
-                 "adapts_routed_experts": ad.adapts_routed_experts, "layout": layout.name,
+                 "routed_expert_adapters": routed_expert_adapters(ad, 2 if profile.adapter.dtype == "bf16" else 4),
+                 "layout": layout.name,
                  "expert_parallel": layout.expert_parallel if layout.expert_parallel_on else 1,
                  "dense_layout": layout.dense, "routed_experts_per_gpu": layout.experts_per_rank,
                  "routed_expert_total_bytes": int(storage.expert_bytes)},

@@ -27,7 +27,8 @@ class Layout:
     world: int
     num_experts: int
     offload_params: bool
-    """ZeRO-Infinity: the ZeRO-3 partitions live in host RAM (expert-parallel experts stay on the GPU)."""
+    """ZeRO-Infinity: the ZeRO-3 partitions live in host RAM (expert-parallel experts and bnb's absmax, which
+    are not partitioned parameters, stay on the GPU)."""
 
     @property
     def expert_parallel_on(self) -> bool:
@@ -65,9 +66,9 @@ def resident_base(storage: BaseStorage, layout: Layout) -> dict[str, float]:
     """GPU bytes per rank of the frozen base: ``base_weights`` (the dense part), ``routed_experts``
     (P > 1: the rank's own ceil(E/P) experts of every MoE layer; P = 1: the experts' ZeRO-3 shard,
     or all of them when replicated) and ``quant_state_replicated`` (bnb absmax, which no ZeRO stage
-    partitions: whole on every rank, the experts' part divided by P under expert parallelism)."""
+    partitions or offloads: whole on every rank, the experts' part divided by P under expert parallelism)."""
     shard = layout.world if layout.sharded else 1
-    offloaded = layout.offload_params  # ZeRO-Infinity moves the ZeRO-3 partitions (and their absmax) to host
+    offloaded = layout.offload_params  # ZeRO-Infinity moves the ZeRO-3 partitions (parameters only) to host
     dense = storage.dense_sharded_bytes / shard + storage.dense_unshardable_bytes
     dense_meta = storage.dense_replicated_bytes
     expert_data = storage.expert_sharded_bytes + storage.expert_unshardable_bytes
@@ -76,22 +77,22 @@ def resident_base(storage: BaseStorage, layout: Layout) -> dict[str, float]:
         expert_meta = storage.expert_replicated_bytes * layout.expert_share
     else:
         experts = 0.0 if offloaded else storage.expert_sharded_bytes / shard + storage.expert_unshardable_bytes
-        expert_meta = 0.0 if offloaded else storage.expert_replicated_bytes
+        expert_meta = storage.expert_replicated_bytes
     return {"base_weights": 0.0 if offloaded else dense,
             "routed_experts": experts,
-            "quant_state_replicated": (0.0 if offloaded else dense_meta) + expert_meta}
+            "quant_state_replicated": dense_meta + expert_meta}
 
 
 def host_base(storage: BaseStorage, layout: Layout, gpus_per_node: int, nodes: int) -> float:
-    """Host RAM per node of ``offload_params: cpu``: the ZeRO-3 partitions (+ every rank's bnb absmax)."""
+    """Host RAM per node of ``offload_params: cpu``: the ZeRO-3 partitions (bnb's absmax is no parameter and
+    stays on the GPU, ``quant_state_replicated``)."""
     if not layout.offload_params:
         return 0.0
     if layout.expert_parallel_on:
         sharded = storage.dense_sharded_bytes + storage.dense_unshardable_bytes
-        meta = storage.dense_replicated_bytes
     else:
-        sharded, meta = storage.sharded_bytes + storage.unshardable_bytes, storage.replicated_bytes
-    return sharded / nodes + meta * gpus_per_node
+        sharded = storage.sharded_bytes + storage.unshardable_bytes
+    return sharded / nodes
 
 
 def gather_units(storage: BaseStorage, layout: Layout) -> list[float]:

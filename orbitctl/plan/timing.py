@@ -271,8 +271,8 @@ def weight_reads(arch: ArchSpec, storage: BaseStorage, layout: Layout) -> Weight
 
 
 def kv_bytes_per_token(profile, arch: ArchSpec) -> float:
-    """KV-cache bytes one cached token keeps, every layer (kv_dtype fp8: 1 byte, else 2)."""
-    return arch.num_layers * arch.kv_elements_per_token_layer() * (1 if profile.rollout.kv_dtype == "fp8" else 2)
+    """KV-cache bytes one cached token keeps, every layer (kv_dtype fp8: 1 byte an element and its scales, else 2)."""
+    return arch.num_layers * arch.kv_bytes_per_token_layer(profile.rollout.kv_dtype)
 
 
 def _split(profile, layout: Layout, ring_bytes: float, a2a_bytes: float) -> tuple[float, float]:

@@ -198,7 +198,8 @@ class MemorySection(Section):
     offload_optimizer: Literal["none", "cpu"] = "none"
     """Keep fp32 master weights and Adam states in host RAM (ZeRO-Offload)."""
     offload_params: Literal["none", "cpu"] = "none"
-    """Keep the ZeRO-3 parameter shards in host RAM (ZeRO-Infinity); needs zero_stage 3."""
+    """Keep the ZeRO-3 parameter shards (the frozen base's packed storage) in pinned host RAM, copied to the GPU
+    as each module is gathered (DeepSpeed's offload_param, ZeRO-Infinity); needs zero_stage 3."""
     micro_batch_size: int = Field(8, ge=1, le=4096)
     """Sequences per GPU per forward/backward."""
     gradient_accumulation_steps: int = Field(16, ge=1, le=65536)
@@ -218,7 +219,9 @@ class MemorySection(Section):
     """Where the frozen base's dense part (attention, shared experts, dense layers, embeddings, lm_head) lives:
     a full copy per rank, or ZeRO-3 partitions gathered layer by layer; auto = sharded under zero_stage 3, else replicated."""
     prefetch_layers: int = Field(1, ge=0, le=8)
-    """ZeRO-3 layers gathered ahead of the current one (stage3_prefetch_bucket_size)."""
+    """ZeRO-3 layers gathered ahead of the current one: train sets stage3_prefetch_bucket_size to N and
+    stage3_max_live_parameters to 1 + N of its largest decoder layer's gathered elements; 0 = one layer at a time.
+    Only zero_stage 3 gathers (train refuses another value below it)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "MemorySection":

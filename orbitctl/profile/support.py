@@ -69,15 +69,15 @@ _RULES: tuple[_Rule, ...] = (
           "asks the http engine to release its memory during updates, and train sends it no sleep call "
           "(orbitctl serve has none; an attached engine is left as it runs)",
           "set rollout.engine_sleep: false with rollout.engine: http"),
+    _Rule("rollout.kv_dtype", (TRAIN,), lambda v, p: v != "bf16" and p.rollout.engine == "http"
+          and p.rollout.engine_url is not None,
+          "is the attached engine's own setting: train does not choose the KV cache of the engine at "
+          "rollout.engine_url",
+          "start that engine with its fp8 KV option (vLLM --kv-cache-dtype fp8) and set rollout.kv_dtype: bf16, "
+          "or unset rollout.engine_url so train starts orbitctl serve with this profile"),
     _Rule("data.train", (TRAIN,), lambda v, p: str(v).startswith("env:") and p.rollout.engine == "http",
           "is an environment, and its episodes are played on the trainer's own infer path, not on the http engine",
           "set rollout.engine: shared for an environment, or data.train to prompts"),
-    _Rule("rollout.kv_dtype", (TRAIN,), lambda v, p: v != "bf16",
-          "is not built by train: its rollout keeps the KV cache in quant.compute_dtype",
-          f"set rollout.kv_dtype: bf16 for train; {_PLAN_MODELS_IT}"),
-    _Rule("rollout.kv_dtype", (VERIFY_INTERNAL,), lambda v, p: v != "bf16",
-          "is not built by the internal check: its infer path keeps the KV cache in quant.compute_dtype",
-          "set rollout.kv_dtype: bf16, or compare an engine that stores fp8 KV with --rollouts FILE"),
     _Rule("data.train", (VERIFY_INTERNAL, *_SAMPLING), lambda v, p: str(v).startswith("env:"),
           "is an environment, and this command works on prompts, not on episodes",
           "set data.train to a prompt file or builtin:NAME for this command; "
@@ -92,9 +92,6 @@ _RULES: tuple[_Rule, ...] = (
     _Rule("rollout.engine", (SERVE,), lambda v, p: v == "separate",
           "is not what this command samples from: it runs orbitctl's own infer path",
           "set rollout.engine: shared, or grade the engine's own output with orbitctl eval --completions FILE"),
-    _Rule("rollout.kv_dtype", _SAMPLING, lambda v, p: v != "bf16",
-          "is not built by this command: its infer path keeps the KV cache in quant.compute_dtype",
-          "set rollout.kv_dtype: bf16"),
     _Rule("memory.expert_parallel", (TRAIN,), lambda v, p: v != 1 and p.quant.format not in ("int4", "fp8"),
           "splits the routed experts over ranks only when orbitctl loads them: quant.format int4 or fp8 "
           "(nf4/fp4 keep transformers' fused bf16 experts)",
@@ -107,21 +104,9 @@ _RULES: tuple[_Rule, ...] = (
           "adapts the routed experts orbitctl loads itself: quant.format int4 or fp8 (nf4/fp4 keep transformers' "
           "fused bf16 experts)",
           "set quant.format: int4 (or fp8), or adapter.experts: none"),
-    _Rule("memory.offload_params", (TRAIN,), lambda v, p: v != "none",
-          "is not built by train: its DeepSpeed config offloads the optimizer state only, never the parameters",
-          f"set memory.offload_params: none for train; {_PLAN_MODELS_IT}"),
-    _Rule("memory.offload_activations", (TRAIN,), lambda v, p: v != "none",
-          "is not built by train: the checkpointed layer boundaries stay on the device",
-          f"set memory.offload_activations: none for train; {_PLAN_MODELS_IT}"),
-    _Rule("memory.loss_chunk_size", (TRAIN,), lambda v, p: v != 0,
-          "is not built by train: it computes the lm_head and the loss of a whole micro-batch at once",
-          f"set memory.loss_chunk_size: 0 for train; {_PLAN_MODELS_IT}"),
-    _Rule("memory.prefetch_layers", (TRAIN,), lambda v, p: v != 1,
-          "is not built by train: it leaves ZeRO-3 prefetching at DeepSpeed's default",
-          f"set memory.prefetch_layers: 1 for train; {_PLAN_MODELS_IT}"),
-    _Rule("memory.flash_attention", (TRAIN,), lambda v, p: v is not True,
-          "is not built by train: the model runs its default attention kernel (PyTorch SDPA) either way",
-          f"set memory.flash_attention: true for train; {_PLAN_MODELS_IT}"),
+    _Rule("memory.prefetch_layers", (TRAIN,), lambda v, p: v != 1 and p.memory.zero_stage != 3,
+          "sets how many layers ZeRO-3 gathers ahead, and with memory.zero_stage below 3 no parameter is gathered",
+          "set memory.zero_stage: 3, or memory.prefetch_layers: 1 (the default)"),
     _Rule("model.dtype", (TRAIN,),
           lambda v, p: "dtype" in p.model.model_fields_set and p.quant.compute_dtype != "auto"
           and v != p.quant.compute_dtype,

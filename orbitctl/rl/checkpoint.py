@@ -176,7 +176,7 @@ def save_checkpoint(run_dir: Path, step: int, engine, policy, generator, trainer
     import torch
     import torch.distributed as dist
 
-    from orbitctl.model.adapters import save_adapter
+    from orbitctl.model.adapters import adapter_gathered, save_adapter
 
     run = RunDir(run_dir)
     tmp, final = run.partial_checkpoint(step), run.checkpoint(step)
@@ -187,8 +187,10 @@ def save_checkpoint(run_dir: Path, step: int, engine, policy, generator, trainer
     engine.save_checkpoint(str(tmp), tag="engine", client_state={"step": step}, save_latest=False,
                            exclude_frozen_parameters=True)
     save_rng(rng_file(tmp, rank), generator)
+    with adapter_gathered(policy.model):
+        if rank == 0:
+            save_adapter(policy.model, tmp / RunDir.ADAPTER, policy.adapter_kind, policy.hidden_size)
     if rank == 0:
-        save_adapter(policy.model, tmp / RunDir.ADAPTER, policy.adapter_kind, policy.hidden_size)
         recorded = {**trainer_state, **run_dtypes(engine), "torch_threads": torch.get_num_threads()}
         atomic_write_json(tmp / RunDir.TRAINER_STATE, recorded, fsync=False)
     dist.barrier()

@@ -13,7 +13,10 @@ Two wire protocols, chosen by ``rollout.engine_api``:
   ``lora_path: lora_name``, ``return_logprob: true`` (``meta_info.output_token_logprobs``).
 
 ``orbitctl serve`` speaks both, and is what train starts on loopback when ``rollout.engine_url`` is
-unset. A call that fails (no connection, timeout, HTTP 5xx or 429, an answer that does not parse or
+unset: with a fresh API key of its own and adapter loading fenced to the run's ``engine/`` directory.
+Every request carries ``Authorization: Bearer KEY`` when there is a key (for an engine at
+``rollout.engine_url``: ``ORBITCTL_API_KEY`` from the environment, vLLM's ``--api-key`` or
+``orbitctl serve``'s); the key is never logged, put in an event or written to the run directory. A call that fails (no connection, timeout, HTTP 5xx or 429, an answer that does not parse or
 holds ids outside the vocabulary) is retried ``rollout.engine_retries`` times with backoff; then the
 step fails naming the URL and the answer, before any update, so the newest checkpoint stays the
 state a rerun resumes from.
@@ -43,6 +46,8 @@ START_TIMEOUT_S = 300.0
 """Longest wait for a started ``orbitctl serve`` to answer ``/health``."""
 RESUME_FIX = ("the newest checkpoint is intact: bring the engine back (or fix rollout.engine_url) and rerun the "
               "same command to resume")
+API_KEY_ENV = "ORBITCTL_API_KEY"
+"""The environment variable holding the key of an engine at ``rollout.engine_url`` (the one ``orbitctl serve`` reads)."""
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                   "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
 
@@ -71,11 +76,17 @@ class HttpEngine:
     """A client of one engine: adapter hot-load and sampling, each call retried with backoff."""
 
     def __init__(self, url: str, api: str, *, vocab_size: int, timeout_s: float, retries: int,
-                 backoff_s: float = BACKOFF_S) -> None:
+                 backoff_s: float = BACKOFF_S, api_key: str | None = None) -> None:
         self.root = root_url(url)
         self.api = api
         self.vocab_size = vocab_size
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+        self._headers = {"Content-Type": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+
+    def __repr__(self) -> str:  # never the key
+        return f"HttpEngine({self.root!r}, {self.api!r}, key={'set' if 'Authorization' in self._headers else 'none'})"
 
     # -- adapters -----------------------------------------------------------------------------
     def load_adapter(self, name: str, path: Path) -> None:
@@ -120,10 +131,12 @@ class HttpEngine:
         out = []
         for one in answers:
             meta = one.get("meta_info") if isinstance(one, dict) else None
-            triples = meta.get("output_token_logprobs") if isinstance(meta, dict) else None
-            if not isinstance(triples, list) or not all(isinstance(t, list) and len(t) >= 2 for t in triples):
-                raise _Retry("a result without meta_info.output_token_logprobs as [logprob, id, text] triples")
-            out.append(self._completion([t[1] for t in triples], [t[0] for t in triples]))
+            entries = meta.get("output_token_logprobs") if isinstance(meta, dict) else None
+            # [logprob, id, text] triples (SGLang) or [logprob, id] pairs (lmdeploy's SGLang-compatible server)
+            if not isinstance(entries, list) or not all(isinstance(t, list) and len(t) in (2, 3) for t in entries):
+                raise _Retry("a result without meta_info.output_token_logprobs as [logprob, id, text] triples or "
+                             "[logprob, id] pairs")
+            out.append(self._completion([t[1] for t in entries], [t[0] for t in entries]))
         return out
 
     def _completion(self, ids, logprobs) -> Completion:
@@ -157,7 +170,7 @@ class HttpEngine:
                            fix=RESUME_FIX)
 
     def _post(self, url: str, data: bytes, what: str) -> str:
-        request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+        request = urllib.request.Request(url, data=data, headers=self._headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 return response.read().decode("utf-8", errors="replace")
@@ -165,6 +178,9 @@ class HttpEngine:
             detail = _error_message(exc.read().decode("utf-8", errors="replace"))
             if exc.code >= 500 or exc.code in (408, 429):
                 raise _Retry(f"HTTP {exc.code}: {detail}") from exc
+            if exc.code == 401:
+                raise EngineFailed(f"rollout engine {url}: {what} was refused (HTTP 401: {detail})",
+                                   fix=f"export {API_KEY_ENV} with the engine's API key; " + RESUME_FIX) from exc
             # the engine refused the request itself: the same request would be refused again
             raise EngineFailed(f"rollout engine {url}: {what} was refused (HTTP {exc.code}: {detail})",
                                fix="check rollout.engine_api and that the engine serves this profile's base with "
@@ -233,14 +249,16 @@ class AdapterSync:
         """The adapter as of ``step`` loaded into the engine; returns the model name to sample from."""
         import torch.distributed as dist
 
-        from orbitctl.model.adapters import save_adapter
+        from orbitctl.model.adapters import adapter_gathered, save_adapter
         from orbitctl.rundir import atomic_dir
 
         name, path = f"{self.prefix}-step-{step}", self.directory / f"step-{step}"
+        with adapter_gathered(self.policy.model):  # every rank: ZeRO-3 gathers the adapter for rank 0's save
+            if self.rank == 0:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                atomic_dir(path, lambda tmp: save_adapter(self.policy.model, tmp, self.policy.adapter_kind,
+                                                          self.policy.hidden_size), replace=True)
         if self.rank == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            atomic_dir(path, lambda tmp: save_adapter(self.policy.model, tmp, self.policy.adapter_kind,
-                                                      self.policy.hidden_size), replace=True)
             self.engine.load_adapter(name, path)
             if self.current is not None and self.current[0] != name:
                 old_name, old_path = self.current
@@ -302,22 +320,47 @@ def collect_http(engine: HttpEngine, model: str, policy, items, reward_fn, *, gr
 
 
 # -- a started engine -----------------------------------------------------------------------------
-class ServeProcess:
-    """``orbitctl serve`` on a free loopback port, started for this run and stopped with it."""
+def engine_endpoint(engine_url: str | None, profile_file: Path, run_root: Path, rank: int, closing) -> tuple[str, str | None]:
+    """(URL, API key) of this run's engine: ``engine_url`` with ``ORBITCTL_API_KEY`` from the environment, or
+    (rank 0, unset URL) an ``orbitctl serve`` started on loopback and entered on ``closing`` (an ExitStack),
+    with its own key and ``RUN/engine/`` as its adapter root. Other ranks get the URL and key by broadcast."""
+    import torch.distributed as dist
 
-    def __init__(self, profile_file: Path, log_file: Path, start_timeout_s: float = START_TIMEOUT_S) -> None:
+    box = [(engine_url, os.environ.get(API_KEY_ENV) or None)]
+    if engine_url is None and rank == 0:
+        started = closing.enter_context(ServeProcess(profile_file, run_root / "engine.log", run_root / "engine"))
+        box = [(started.url, started.api_key)]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class ServeProcess:
+    """``orbitctl serve`` on a free loopback port, started for this run and stopped with it.
+
+    It gets a fresh API key (``api_key``, through its environment, never its command line) and loads
+    adapters only from ``adapter_root``: another local user can neither sample from it nor make it read
+    their files."""
+
+    def __init__(self, profile_file: Path, log_file: Path, adapter_root: Path,
+                 start_timeout_s: float = START_TIMEOUT_S) -> None:
         self.profile_file, self.log_file, self.start_timeout_s = profile_file, log_file, start_timeout_s
+        self.adapter_root = adapter_root
         self.process: subprocess.Popen | None = None
         self.url = ""
+        self.api_key = secrets.token_urlsafe(32)
 
     def __enter__(self) -> "ServeProcess":
         from orbitctl.rl.engine import free_port
 
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
+        self.adapter_root.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+        env[API_KEY_ENV] = self.api_key
+        env["ORBITCTL_SERVE_PARENT"] = str(os.getpid())  # the server ends with this process, even when it is killed
         command = [sys.executable, "-c", "import sys; from orbitctl.cli.app import main; sys.exit(main())", "serve",
-                   str(self.profile_file), "--host", "127.0.0.1", "--port", str(port)]
+                   str(self.profile_file), "--host", "127.0.0.1", "--port", str(port), "--allow-adapter-loading",
+                   "--adapter-root", str(self.adapter_root.resolve())]
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,

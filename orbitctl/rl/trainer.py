@@ -112,7 +112,7 @@ def run_loop(profile, fresh, emit, rank, world, torch, closing) -> TrainResult:
     from orbitctl.quant.report import quant_summary
     from orbitctl.rl import checkpoint as ckpt
     from orbitctl.data.prompts import PromptStream, load_prompts
-    from orbitctl.rl.engine import build_engine
+    from orbitctl.rl.engine import after_rank0, build_engine, engine_config
     from orbitctl.rl.runlog import HealthMonitor, MetricsLog
     from orbitctl.rl.losses import group_advantages
     from orbitctl.rl.rewards import make_reward
@@ -141,10 +141,12 @@ def run_loop(profile, fresh, emit, rank, world, torch, closing) -> TrainResult:
     # the baseline: before the base is built, quantized or loaded, so that what building it imports counts
     # as it does when the base comes from the cache (the model's modules, loaded after this point either way)
     meter = PhaseMemory.for_profile(profile, run_device_type(profile))
-    # rank 0 builds or quantizes what is missing; the others then find it in the cache
+    # rank 0 builds or quantizes what is missing; the others then find it in the cache, waiting on a barrier
+    # that outlasts the build (the default group's timeout does not)
+    built = after_rank0(world)
     if rank == 0:
         base = prepare_frozen_base(profile, split.warm_task)
-    torch.distributed.barrier()
+    built()
     if rank != 0:
         base = prepare_frozen_base(profile, split.warm_task)
     policy = load_policy(profile, base)
@@ -156,7 +158,10 @@ def run_loop(profile, fresh, emit, rank, world, torch, closing) -> TrainResult:
                    **base.notes})
     rl = profile.rl
     optimizer_steps_per_rollout = rl.ppo_epochs * rl.minibatches
-    engine, _ = build_engine(policy, profile, gas, rl.steps)
+    ds_config = engine_config(policy, profile, gas)
+    if rank == 0:  # what DeepSpeed is given (ZeRO stage, parameter and optimizer offload, prefetch limits)
+        atomic_write_json(run.deepspeed_config, ds_config)
+    engine, _ = build_engine(policy, profile, gas, rl.steps, ds_config)
     generator = torch.Generator().manual_seed(profile.run.seed * 7919 + rank)
     stream = PromptStream(split.train, profile.run.seed, rank, world)
     max_new = profile.rollout.max_new_tokens
@@ -255,11 +260,12 @@ def run_loop(profile, fresh, emit, rank, world, torch, closing) -> TrainResult:
                                  {"step": step, "cursor": stream.cursor, "nonfinite_total": nonfinite_total,
                                   "eval_before": eval_before}, rank, profile.run.keep_last)
     adapter_dir = run.adapter
-    if rank == 0:
-        from orbitctl.model.adapters import save_adapter
+    from orbitctl.model.adapters import adapter_gathered, save_adapter
 
-        atomic_dir(adapter_dir, lambda tmp: save_adapter(policy.model, tmp, policy.adapter_kind, policy.hidden_size),
-                   replace=True)
+    with adapter_gathered(policy.model):  # every rank: ZeRO-3 gathers the partitioned adapter for rank 0's save
+        if rank == 0:
+            atomic_dir(adapter_dir, lambda tmp: save_adapter(policy.model, tmp, policy.adapter_kind,
+                                                             policy.hidden_size), replace=True)
     eval_after = last.get("eval_accuracy") if last else _final_eval(evaluator)
     result = TrainResult(str(run_dir), step, resumed_from, eval_before, eval_after,
                          time.perf_counter() - wall_start, str(adapter_dir), policy.report.summary(),
@@ -289,18 +295,12 @@ class _HttpRollout:
 def _http_rollout(profile, run: RunDir, policy, rank: int, closing, emit) -> _HttpRollout:
     """The engine client for ``rollout.engine: http``: attached to ``rollout.engine_url``, or to an ``orbitctl serve``
     that rank 0 starts on loopback over the run's own profile (stopped when the run ends)."""
-    import torch.distributed as dist
-
-    from orbitctl.rl.engine_http import AdapterSync, HttpEngine, ServeProcess, process_tag
+    from orbitctl.rl.engine_http import AdapterSync, HttpEngine, engine_endpoint, process_tag
 
     ro = profile.rollout
-    box = [ro.engine_url]
-    if ro.engine_url is None and rank == 0:
-        box = [closing.enter_context(ServeProcess(run.profile, run.root / "engine.log")).url]
-    dist.broadcast_object_list(box, src=0)
-    url = box[0]
+    url, api_key = engine_endpoint(ro.engine_url, run.profile, run.root, rank, closing)
     engine = HttpEngine(url, ro.engine_api, vocab_size=int(policy.model.config.vocab_size), timeout_s=ro.engine_timeout_s,
-                        retries=ro.engine_retries)
+                        retries=ro.engine_retries, api_key=api_key)
     emit("engine", {"url": url, "api": ro.engine_api, "started": ro.engine_url is None})
     return _HttpRollout(engine, AdapterSync(engine, policy, run.root, profile.name, process_tag(rank), rank), policy,
                         profile)
@@ -377,6 +377,7 @@ def _record(step, batch, rollout_stats, upd, first_of_rollout, lr, samples_seen)
         "is_ratio_min": -stats["neg_is_ratio_min"] if "neg_is_ratio_min" in stats else None,
         "is_clipped_fraction": stats.get("is_clipped_fraction"),
         "ppo_clipped_fraction": stats.get("ppo_clipped_fraction"),
+        "offload_bytes": stats.get("offload_bytes"),  # checkpoint boundaries sent to host memory (this rank)
         "grad_norm": float(grad_norm) if grad_norm is not None and upd["applied"] else None,
         "update_applied": bool(upd["applied"] and upd["stats"].finite),
         "lr": lr,

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from orbitctl.distances import entropy
+from orbitctl.rl.chunked_loss import TokenTerms, chunked_logprobs, chunked_terms, scaled_logdist
 from orbitctl.rl.losses import is_correction, k3, kl_full, mismatch_stats, ppo_clip_terms
 
 
@@ -22,10 +23,15 @@ class StepStats:
     tokens: float = 0.0
     sums: dict = field(default_factory=dict)
     maxes: dict = field(default_factory=dict)
+    totals: dict = field(default_factory=dict)
+    """Per-step totals reported as they are (not per token), such as ``offload_bytes``."""
     finite: bool = True
 
     def add(self, name: str, value: float) -> None:
         self.sums[name] = self.sums.get(name, 0.0) + value
+
+    def total(self, name: str, value: float) -> None:
+        self.totals[name] = self.totals.get(name, 0) + value
 
     def peak(self, name: str, value: float) -> None:
         self.maxes[name] = max(self.maxes.get(name, -math.inf), value)
@@ -34,6 +40,7 @@ class StepStats:
         n = max(self.tokens, 1.0)
         out = {k: v / n for k, v in self.sums.items()}
         out.update(self.maxes)
+        out.update(self.totals)
         return out
 
 
@@ -64,26 +71,47 @@ def _attention(batch):
 
 
 def _train_logdist(policy, mb, temperature: float, train: bool = True):
-    import torch
-
     logits = policy.completion_logits(mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
                                       mb["attention"], train=train)
-    return torch.log_softmax(logits.float() / (temperature if temperature > 0 else 1.0), dim=-1)
+    return scaled_logdist(logits, temperature)
 
 
-def old_logprobs(policy, batch, micro: int, temperature: float):
-    """Train-path log-probs of the sampled tokens before any update (PPO's pi_old)."""
+def completion_terms(policy, mb, temperature: float, chunk: int = 0, infer_dist=None) -> TokenTerms:
+    """The train path's sampled-token log-probs, KL against ``infer_dist`` (when given) and entropy, [B, T] each:
+    from the whole micro-batch's logits (``chunk`` 0), or ``chunk`` positions at a time
+    (:mod:`orbitctl.rl.chunked_loss`)."""
+    if chunk:
+        return chunked_terms(policy, mb, temperature, chunk, infer_dist=infer_dist)
+    logdist = _train_logdist(policy, mb, temperature)
+    logp = logdist.gather(-1, mb["completion_ids"][..., None]).squeeze(-1)
+    return TokenTerms(logp, kl_full(logdist, infer_dist) if infer_dist is not None else None, entropy(logdist.detach()))
+
+
+def _reference_logp(policy, mb, temperature: float, chunk: int):
+    """Sampled-token log-probs of the reference policy (adapters disabled, no grad)."""
+    if chunk:
+        return chunked_logprobs(policy, mb, temperature, chunk, reference=True)
+    ref_logits = policy.reference_logits(mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["attention"])
+    return scaled_logdist(ref_logits, temperature).gather(-1, mb["completion_ids"][..., None]).squeeze(-1)
+
+
+def old_logprobs(policy, batch, micro: int, temperature: float, chunk: int = 0):
+    """Train-path log-probs of the sampled tokens before any update (PPO's pi_old), ``chunk`` positions at a time
+    through the output layer when not 0."""
     import torch
 
     out = []
     with torch.no_grad():
         for start in range(0, batch.size, micro):
             rows = slice(start, start + micro)
-            logdist = _train_logdist(policy, {"prompt_ids": batch.prompt_ids[rows], "prompt_mask": batch.prompt_mask[rows],
-                                              "completion_ids": batch.completion_ids[rows],
-                                              "attention": _attention(batch)[rows]}, temperature, train=False)
-            ids = batch.completion_ids[rows, :, None].to(logdist.device)
-            out.append(logdist.gather(-1, ids).squeeze(-1).cpu())  # the batch stays on the host
+            mb = {"prompt_ids": batch.prompt_ids[rows], "prompt_mask": batch.prompt_mask[rows],
+                  "completion_ids": batch.completion_ids[rows], "attention": _attention(batch)[rows]}
+            if chunk:
+                logp = chunked_logprobs(policy, mb, temperature, chunk)
+            else:
+                logdist = _train_logdist(policy, mb, temperature, train=False)
+                logp = logdist.gather(-1, mb["completion_ids"][..., None].to(logdist.device)).squeeze(-1)
+            out.append(logp.cpu())  # the batch stays on the host
     return torch.cat(out, 0) * batch.completion_mask
 
 
@@ -91,33 +119,36 @@ def micro_loss(policy, mb, profile, token_total: float, stats: StepStats):
     """Loss of one micro-batch, already divided by the minibatch's global token count."""
     import torch
 
-    rl, temperature = profile.rl, profile.rollout.temperature
+    from orbitctl.model.offload import offloaded_boundaries
+
+    rl, temperature, chunk = profile.rl, profile.rollout.temperature, profile.memory.loss_chunk_size
     device = policy.device  # the rollout batch lives on the host; this micro-batch goes where the model is
-    mb = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+    # (a chunked loss moves the infer distribution to the device one chunk at a time)
+    mb = {k: v.to(device) if isinstance(v, torch.Tensor) and not (chunk and k == "dist") else v for k, v in mb.items()}
     mask = mb["completion_mask"].float()
-    logdist = _train_logdist(policy, mb, temperature)
-    logp = logdist.gather(-1, mb["completion_ids"][..., None]).squeeze(-1) * mask
+    align_kl = rl.align_loss.kind == "kl" and rl.align_loss.weight > 0
+    with offloaded_boundaries(policy.model, profile.memory.offload_activations == "cpu") as moved:
+        terms = completion_terms(policy, mb, temperature, chunk, infer_dist=mb["dist"] if align_kl else None)
+    stats.total("offload_bytes", moved.bytes)
+    logp = terms.logp * mask
     old = mb["old_logp"] if mb["old_logp"] is not None else logp.detach()
     pg, clipped, ratio = ppo_clip_terms(logp, old, mb["adv"], rl.clip_eps)
     isc = is_correction(old, mb["infer_logp"], rl.is_correction.kind, rl.is_correction.cap,
                         rl.is_correction.low, rl.is_correction.high)
     token_loss = pg * isc.weight
     stats.add("policy_loss", float((pg.detach() * isc.weight * mask).sum()))
-    if rl.align_loss.kind == "kl" and rl.align_loss.weight > 0:
-        align = kl_full(logdist, mb["dist"]) if mb["dist"] is not None else k3(logp, mb["infer_logp"])
+    if align_kl:
+        align = terms.kl_full if terms.kl_full is not None else k3(logp, mb["infer_logp"])
         token_loss = token_loss + rl.align_loss.weight * align
         stats.add("align_loss", float((align.detach() * mask).sum()))
     if rl.kl_ref_coef > 0:
-        ref_logits = policy.reference_logits(mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
-                                             mb["attention"])
-        ref_logp = torch.log_softmax(ref_logits.float() / (temperature if temperature > 0 else 1.0), -1).gather(
-            -1, mb["completion_ids"][..., None]).squeeze(-1)
+        ref_logp = _reference_logp(policy, mb, temperature, chunk)
         ref_kl = k3(logp, ref_logp)
         token_loss = token_loss + rl.kl_ref_coef * ref_kl
         stats.add("ref_kl", float((ref_kl.detach() * mask).sum()))
     n = float(mask.sum())
     stats.tokens += n
-    stats.add("entropy", float((entropy(logdist.detach()) * mask).sum()))
+    stats.add("entropy", float((terms.entropy * mask).sum()))
     stats.add("is_ratio_mean", float((isc.ratio * mask).sum()))
     stats.add("is_clipped_fraction", float((isc.clipped * mask).sum()))
     stats.add("ppo_clipped_fraction", float((clipped * mask).sum()))
@@ -138,7 +169,8 @@ def run_update(engine, policy, batch, advantages, profile, on_step, max_steps: i
     import torch
 
     rl, micro = profile.rl, profile.memory.micro_batch_size
-    old = old_logprobs(policy, batch, micro, profile.rollout.temperature) if rl.ppo_epochs * rl.minibatches > 1 else None
+    old = old_logprobs(policy, batch, micro, profile.rollout.temperature, profile.memory.loss_chunk_size) \
+        if rl.ppo_epochs * rl.minibatches > 1 else None
     generator = torch.Generator().manual_seed(int(engine.global_steps))
     per_minibatch = batch.size // rl.minibatches
     budget = rl.ppo_epochs * rl.minibatches if max_steps is None else max_steps

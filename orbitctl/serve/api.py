@@ -3,7 +3,8 @@
 The policy is the one the trainer builds (:func:`orbitctl.builder.load_policy` over the profile's
 frozen quantized base, warm-started on the same task, so the cache serves the trained base);
 adapters given at start are loaded before the first request. :func:`start_background` runs the
-same server on a thread, for tests and for a trainer that samples from it over HTTP.
+same server on a thread, for tests and for a trainer that samples from it over HTTP. Who may
+call it and what it may read is :class:`Access` (:mod:`orbitctl.serve.security`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from orbitctl.errors import RunFailed, UserError
 from orbitctl.serve.engine import Engine, RequestError
+from orbitctl.serve.security import AdapterFence, Limits, check_exposure
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -53,12 +55,24 @@ def build_engine(profile, adapters: list[tuple[str, str]] = (), *, max_waiting: 
     return engine
 
 
-def _server(engine: Engine, host: str, port: int, log_level: str):
+@dataclass(frozen=True)
+class Access:
+    """Who may call the server (``api_key``: None = anyone who reaches it), where run-time adapter loads may
+    read (``fence``) and the bounds on one request (``limits``)."""
+
+    api_key: str | None = None
+    fence: AdapterFence = AdapterFence()
+    limits: Limits = Limits()
+
+
+def _server(engine: Engine, host: str, port: int, log_level: str, access: Access):
     import uvicorn
 
     from orbitctl.serve.app import create_app
 
-    config = uvicorn.Config(create_app(engine), host=host, port=port, log_level=log_level, access_log=False,
+    app = create_app(engine, api_key=access.api_key, fence=access.fence, limits=access.limits)
+    # no access log: request lines are not needed, and nothing a client sends is written anywhere
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=5)
     return uvicorn.Server(config)
 
@@ -76,20 +90,50 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(engine: Engine, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, on_ready=None) -> None:
+def serve(engine: Engine, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, access: Access = Access(),
+          on_ready=None) -> None:
     """Serve ``engine`` until interrupted (Ctrl+C or SIGTERM end it cleanly)."""
+    check_exposure(host, access.api_key)
     sock = _bind(host, port)
     if on_ready is not None:
         on_ready(f"http://{host}:{sock.getsockname()[1]}/v1")
-    _server(engine, host, port, "warning").run(sockets=[sock])
+    _server(engine, host, port, "warning", access).run(sockets=[sock])
+
+
+PARENT_ENV = "ORBITCTL_SERVE_PARENT"
+"""Set (to its pid) by a process that starts ``orbitctl serve`` for itself (train's own engine): the server
+ends when that process does, instead of holding its port and CPU after a killed run."""
+
+
+def _exit_with_parent() -> None:
+    """Linux: SIGTERM this server when the process named in :data:`PARENT_ENV` dies (uvicorn then shuts down)."""
+    import os
+    import signal
+    import sys
+
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+    if str(os.getppid()) != parent:  # it died before the request was in place
+        raise RunFailed(f"the process that started this server ({parent}) has already exited")
 
 
 def serve_profile(profile_path: str, overrides: list[str], adapter_args: list[str], *, host: str = DEFAULT_HOST,
-                  port: int = DEFAULT_PORT, max_waiting: int = 8, on_ready=None) -> None:
+                  port: int = DEFAULT_PORT, max_waiting: int = 8, api_key: str | None = None,
+                  allow_adapter_loading: bool = False, adapter_root: str | None = None, limits: Limits = Limits(),
+                  on_ready=None) -> None:
     """``orbitctl serve``: load the profile, build its engine with the ``--adapter`` values, serve it."""
     from orbitctl.profile import load_profile
     from orbitctl.profile.support import SERVE, given_keys, refuse_unsupported
 
+    _exit_with_parent()
+    # every refusal of the options comes before the base is built
+    check_exposure(host, api_key)
+    access = Access(api_key, AdapterFence.from_options(allow_adapter_loading, adapter_root), limits)
     adapters = [parse_adapter_arg(a) for a in adapter_args]
     for name, path in adapters:  # before the base is built: a typo should not cost a model load
         if not Path(path).is_dir():
@@ -99,8 +143,9 @@ def serve_profile(profile_path: str, overrides: list[str], adapter_args: list[st
     refuse_unsupported(profile, SERVE, given_keys(overrides))
     engine = build_engine(profile, adapters, max_waiting=max_waiting)
     names = ", ".join(m["id"] for m in engine.models())
-    serve(engine, host=host, port=port, on_ready=None if on_ready is None else
-          (lambda url: on_ready(f"serving {names} at {url}")))
+    guarded = " (API key required)" if api_key is not None else ""
+    serve(engine, host=host, port=port, access=access, on_ready=None if on_ready is None else
+          (lambda url: on_ready(f"serving {names} at {url}{guarded}")))
 
 
 @dataclass
@@ -117,10 +162,12 @@ class RunningServer:
         self.thread.join(timeout=30)
 
 
-def start_background(engine: Engine, *, host: str = DEFAULT_HOST, port: int = 0, ready_s: float = 30.0) -> RunningServer:
+def start_background(engine: Engine, *, host: str = DEFAULT_HOST, port: int = 0, access: Access = Access(),
+                     ready_s: float = 30.0) -> RunningServer:
     """Serve ``engine`` on a thread (port 0: a free one) and return once it accepts connections."""
+    check_exposure(host, access.api_key)
     sock = _bind(host, port)
-    server = _server(engine, host, sock.getsockname()[1], "error")
+    server = _server(engine, host, sock.getsockname()[1], "error", access)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="orbitctl-serve")
     thread.start()
     deadline = time.monotonic() + ready_s

@@ -2,7 +2,8 @@
 
 Every error is OpenAI's JSON, ``{"error": {"message", "type", "param", "code"}}``: 400 for a request
 the engine refuses, 404 for an unknown model or route, 413 for a body over the limit, 422 for a
-body that does not validate, 429 when the generation queue is full, 500 (no traceback) otherwise.
+body that does not validate, 429 when the generation queue is full, 500 (no traceback) otherwise;
+401 without the API key and 403 for an adapter load the fence refuses (:mod:`orbitctl.serve.security`).
 Route handlers are plain functions, so FastAPI runs them on its thread pool and a waiting request
 never blocks the event loop.
 """
@@ -16,14 +17,14 @@ from orbitctl.serve import responses
 from orbitctl.serve.engine import Engine, RequestError
 from orbitctl.serve.protocol import (ChatRequest, CompletionRequest, LoadLoraRequest, SGLangGenerateRequest,
                                      SGLangLoadLoraRequest, UnloadLoraRequest)
+from orbitctl.serve.security import AdapterFence, ApiKeyAuth, Limits
 
 MAX_BODY_BYTES = 1 << 20
 """Largest request body accepted (1 MiB: far above any prompt that fits a context)."""
-MAX_BATCH_ROWS = 1024
-"""Most completions one batched request may ask for (prompts x n)."""
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
-          422: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error"}
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+          500: "internal_server_error"}
 
 log = logging.getLogger("orbitctl.serve")
 
@@ -72,8 +73,12 @@ class _TooLarge(Exception):
     pass
 
 
-def create_app(engine: Engine, *, max_body_bytes: int = MAX_BODY_BYTES):
-    """The ASGI app serving ``engine``."""
+def create_app(engine: Engine, *, max_body_bytes: int = MAX_BODY_BYTES, api_key: str | None = None,
+               fence: AdapterFence | None = None, limits: Limits | None = None):
+    """The ASGI app serving ``engine``: behind ``api_key`` when given, loading adapters at run time only
+    where ``fence`` lets it (default: nowhere), each request within ``limits``."""
+    fence = fence if fence is not None else AdapterFence()
+    limits = limits if limits is not None else Limits()
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -103,6 +108,21 @@ def create_app(engine: Engine, *, max_body_bytes: int = MAX_BODY_BYTES):
         log.exception("request failed")  # the traceback goes to the server's log, never to the client
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
 
+    def asked_tokens(body, field: str) -> int:
+        """``field`` as the request set it; its default is capped at ``--max-tokens`` rather than refused."""
+        value = getattr(body, field)
+        if field in body.model_fields_set or limits.max_tokens is None:
+            return value
+        return min(value, limits.max_tokens)
+
+    def checked(ids: list[int], asked: int | None, param: str, tokens_param: str = "max_tokens") -> int:
+        """The completion length for prompt ``ids``, within the context and the server's limits."""
+        limits.check_prompt(ids, param)
+        room = engine.check_ids(ids, None, param)
+        if asked is not None and asked > room:
+            engine.check_ids(ids, asked, param)  # names the context it exceeds
+        return limits.tokens(asked, room, tokens_param)
+
     def sse(chunks):
         def events():
             for chunk in chunks:
@@ -128,16 +148,15 @@ def create_app(engine: Engine, *, max_body_bytes: int = MAX_BODY_BYTES):
             if body.stream:
                 raise RequestError("stream: a batch of prompts is answered whole; send one prompt to stream",
                                    param="stream")
-            if len(prompts) * body.n > MAX_BATCH_ROWS:
-                raise RequestError(f"prompt: {len(prompts)} prompts x n={body.n} exceed {MAX_BATCH_ROWS} completions "
-                                   f"per request", param="prompt")
-            max_tokens = min(engine.check_ids(p, body.max_tokens, f"prompt[{i}]") for i, p in enumerate(prompts))
+            limits.check_n(body.n, len(prompts), "prompt")
+            max_tokens = min(checked(p, asked_tokens(body, "max_tokens"), f"prompt[{i}]") for i, p in enumerate(prompts))
             gens = engine.generate_batch(body.model, prompts, max_tokens=max_tokens, temperature=body.temperature,
                                          top_p=body.top_p, n=body.n, seed=body.seed, top_logprobs=body.logprobs or 0,
                                          stop=body.stop_list())
             return responses.completion(gens, body.logprobs, as_ids)
+        limits.check_n(body.n, 1, "prompt")
         ids = engine.encode_text(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        max_tokens = engine.check_ids(ids, body.max_tokens, "prompt")
+        max_tokens = checked(ids, asked_tokens(body, "max_tokens"), "prompt")
         gen = engine.generate(body.model, ids, max_tokens=max_tokens, temperature=body.temperature,
                               top_p=body.top_p, n=body.n, seed=body.seed, top_logprobs=body.logprobs or 0,
                               stop=body.stop_list())
@@ -148,10 +167,9 @@ def create_app(engine: Engine, *, max_body_bytes: int = MAX_BODY_BYTES):
     @app.post("/generate")
     def sglang_generate(body: SGLangGenerateRequest):
         prompts, sp = body.batch(), body.sampling_params
-        if len(prompts) * sp.n > MAX_BATCH_ROWS:
-            raise RequestError(f"input_ids: {len(prompts)} prompts x n={sp.n} exceed {MAX_BATCH_ROWS} completions "
-                               f"per request", param="input_ids")
-        max_tokens = min(engine.check_ids(p, sp.max_new_tokens, "input_ids") for p in prompts)
+        limits.check_n(sp.n, len(prompts), "input_ids")
+        max_tokens = min(checked(p, asked_tokens(sp, "max_new_tokens"), "input_ids", "sampling_params.max_new_tokens")
+                         for p in prompts)
         gens = engine.generate_batch(body.lora_path or engine.base_name, prompts, max_tokens=max_tokens,
                                      temperature=sp.temperature, top_p=sp.top_p, n=sp.n, seed=sp.sampling_seed,
                                      top_logprobs=body.top_logprobs_num if body.return_logprob else 0, stop=[])
@@ -163,18 +181,21 @@ def create_app(engine: Engine, *, max_body_bytes: int = MAX_BODY_BYTES):
 
     @app.post("/load_lora_adapter")
     def sglang_load_lora_adapter(body: SGLangLoadLoraRequest):
-        engine.load_adapter(body.lora_name, body.lora_path)
+        engine.load_adapter(body.lora_name, str(fence.resolve(body.lora_path)))
         return sglang_adapters()
 
     @app.post("/unload_lora_adapter")
     def sglang_unload_lora_adapter(body: UnloadLoraRequest):
+        fence.require_allowed()
         engine.unload_adapter(body.lora_name)
         return sglang_adapters()
 
     @app.post("/v1/chat/completions")
     def chat_completions(body: ChatRequest):
+        limits.check_n(body.n, 1, "messages")
         ids = engine.encode_chat([(m.role, m.content) for m in body.messages])
-        max_tokens = engine.check_ids(ids, body.token_budget(), "messages")
+        max_tokens = checked(ids, body.token_budget(), "messages",
+                             "max_tokens" if body.max_tokens is not None else "max_completion_tokens")
         gen = engine.generate(body.model, ids, max_tokens=max_tokens, temperature=body.temperature,
                               top_p=body.top_p, n=body.n, seed=body.seed,
                               top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0, stop=body.stop_list())
@@ -184,12 +205,14 @@ def create_app(engine: Engine, *, max_body_bytes: int = MAX_BODY_BYTES):
 
     @app.post("/v1/load_lora_adapter")
     def load_lora_adapter(body: LoadLoraRequest):
-        engine.load_adapter(body.lora_name, body.lora_path)
+        engine.load_adapter(body.lora_name, str(fence.resolve(body.lora_path)))
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     def unload_lora_adapter(body: UnloadLoraRequest):
+        fence.require_allowed()
         engine.unload_adapter(body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
-    return BodyLimit(app, max_body_bytes)
+    limited = BodyLimit(app, max_body_bytes)
+    return ApiKeyAuth(limited, api_key) if api_key is not None else limited

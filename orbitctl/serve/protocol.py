@@ -1,8 +1,9 @@
 """The request bodies the server accepts, shaped like OpenAI's (and vLLM's adapter endpoints).
 
 Every model forbids fields it does not know, so a sampling option the server does not honour is
-refused (422) instead of silently ignored. Bounds that do not depend on the loaded model are
-here; those that do (context, vocabulary) are checked by :mod:`orbitctl.serve.engine`.
+refused (422) instead of silently ignored. Bounds that do not depend on the loaded model or the
+server's options are here; the context and vocabulary are checked by :mod:`orbitctl.serve.engine`,
+the server's limits (``n``, prompt tokens, ``max_tokens``, batch) by :mod:`orbitctl.serve.security`.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-MAX_N = 16
-"""Most completions one request may ask for."""
 MAX_TOP_LOGPROBS = 20
 """Most alternatives per token a request may ask for (OpenAI's chat limit)."""
 
@@ -26,8 +25,8 @@ class _Sampling(BaseModel):
     """0 is greedy; log-probs are those of the temperature-scaled distribution, as the trainer records them."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling: the smallest set of tokens whose mass reaches top_p."""
-    n: int = Field(1, ge=1, le=MAX_N)
-    """Completions of the one prompt; completion j draws from key j of ``seed``."""
+    n: int = Field(1, ge=1)
+    """Completions of the one prompt; completion j draws from key j of ``seed`` (at most the server's ``--max-n``)."""
     seed: int | None = Field(None, ge=-2**63, lt=2**63)
     """The keyed draws' seed, a signed 64-bit integer (its 64 bits are the key); the same seed gives the same
     tokens (default: a fresh random one)."""
@@ -126,7 +125,8 @@ class SGLangSampling(BaseModel):
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(1, ge=1)
+    """Completions of each prompt (at most the server's ``--max-n``)."""
     sampling_seed: int | None = Field(None, ge=-2**63, lt=2**63)
     """The keyed draws' seed (SGLang's name); the same seed gives the same tokens."""
 

@@ -117,6 +117,36 @@ def _generate_events(response: dict, incremental: bool) -> list[dict]:
     return events
 
 
+def _as_pairs(value):
+    """Every [logprob, id, text] triple under ``value`` as a [logprob, id] pair (lmdeploy's SGLang-compatible
+    server has no text slot)."""
+    if isinstance(value, list) and len(value) == 3 and isinstance(value[1], int) and not isinstance(value[0], list):
+        return value[:2]
+    if isinstance(value, list):
+        return [_as_pairs(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _as_pairs(v) if k in ("output_token_logprobs", "output_top_logprobs", "meta_info", "response")
+                else v for k, v in value.items()}
+    return value
+
+
+def test_pair_shaped_generate_answers_read_with_the_same_logprobs(tmp_path):
+    lines = _lines(FIXTURES / "sglang_generate.jsonl")
+    pairs = [_as_pairs(line) for line in lines]
+    assert pairs != lines and all(len(e) == 2 for e in pairs[0]["response"]["meta_info"]["output_token_logprobs"])
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in pairs))
+    got, want = read_rollouts(path), read_rollouts(FIXTURES / "sglang_generate.jsonl")
+    assert len(got) == len(want) == 4
+    for g, w in zip(got, want):
+        assert (g.token_ids, g.logprobs, g.top, g.prompt_token_ids, g.prompt_text, g.finish_reason) == \
+            (w.token_ids, w.logprobs, w.top, w.prompt_token_ids, w.prompt_text, w.finish_reason)
+        assert g.tokens == [""] * len(g.token_ids)  # no text slot: the token text is unknown, as with null
+    assert got[0].logprobs == [-0.05, -0.7] and got[0].top[0] == [(VOCAB["4"], -0.05), (VOCAB["5"], -3.2)]
+    resolved = resolve_ids(got, build_char_tokenizer())
+    assert resolved[0].completion_ids == ids("4 ") and resolved[0].notes == []
+
+
 @pytest.mark.parametrize("incremental", [False, True])
 def test_generate_streams_read_as_the_unstreamed_line(tmp_path, incremental):
     line = _lines(FIXTURES / "sglang_generate.jsonl")[0]
@@ -151,12 +181,13 @@ GOOD = {"completion_tokens": 1, "output_token_logprobs": [[-0.1, 8, "4"]], "outp
 STREAM_EVENT = json.dumps({"text": "4", "meta_info": GOOD})
 MALFORMED = [
     (_generate({**GOOD, "output_token_logprobs": [["-0.1", 8, "4"]]}), 1,
-     r'\["-0\.1", 8, "4"\] is not a \[logprob, token_id, text \| null\] triple '
+     r'\["-0\.1", 8, "4"\] is not a \[logprob, token_id, text \| null\] triple or a \[logprob, token_id\] pair '
      r"\(meta_info\.output_token_logprobs\[0\]\) — fix: store SGLang's meta_info unchanged"),
     (_generate({**GOOD, "output_token_logprobs": [[-0.1, 8.0, "4"]]}), 1, r"output_token_logprobs\[0\]\)"),
     (_generate({**GOOD, "output_token_logprobs": [[-0.1, 8, 4]]}), 1, r"is not a \[logprob, token_id"),
-    (_generate({**GOOD, "output_top_logprobs": [[[-0.1, 8]]]}), 1,
-     r"\[-0\.1, 8\] is not a .* \(meta_info\.output_top_logprobs\[0\]\[0\]\)"),
+    (_generate({**GOOD, "output_top_logprobs": [[[-0.1]]]}), 1,
+     r"\[-0\.1\] is not a .* or a \[logprob, token_id\] pair \(meta_info\.output_top_logprobs\[0\]\[0\]\)"),
+    (_generate({**GOOD, "output_token_logprobs": [[-0.1, 8, "4", 0]]}), 1, r"is not a \[logprob, token_id"),
     (_generate({**GOOD, "output_top_logprobs": []}), 1,
      r"output_top_logprobs holds 0 positions, output_token_logprobs 1 \(meta_info\.output_top_logprobs\)"),
     (_generate({**GOOD, "output_token_logprobs": [[0.5, 8, "4"]]}), 1, r"logprob 0\.5 > 0 is not a log-probability"),

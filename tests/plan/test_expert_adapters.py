@@ -106,3 +106,45 @@ def test_expert_adapter_keys_that_would_do_nothing_are_refused():
                         (["adapter.experts=shared", "adapter.experts_rank=0"], "must be >= 1")]:
         with pytest.raises(ProfileError, match=words):
             load_profile(tiny, sets)
+
+
+@pytest.mark.parametrize("name", ["kimi-k2_grpo_int4_8xh200.yaml", "kimi-k2_grpo_int4_8xb200.yaml"])
+def test_plan_json_reports_the_routed_expert_adapters_the_text_prints(name):
+    """--json says what the plan computed about the routed experts (layout, rank, parameters, bytes), the same
+    layout and count the text output's note prints; the old boolean that said the opposite is gone."""
+    import json
+    import re
+
+    from typer.testing import CliRunner
+
+    from orbitctl.cli.app import app
+    from orbitctl.plan.adapters import expert_adapter_params
+
+    path = str(REPO / "profiles" / name)
+    runner = CliRunner()
+    document = json.loads(runner.invoke(app, ["plan", path, "--json"]).stdout)
+    text = runner.invoke(app, ["plan", path]).stdout
+    experts = document["details"]["routed_expert_adapters"]
+    assert "adapts_routed_experts" not in document["details"]
+    note = re.search(r"routed-expert adapters: (\S+) rank (\d+), ([\d.]+) B parameters", text)
+    assert note is not None, text
+    assert (experts["layout"], experts["rank"]) == (note[1], int(note[2])) and experts["layout"] != "none"
+    assert f"{experts['params'] / 1e9:.3g}" == note[3]
+    # the count is the layout's formula over every MoE layer, and part of params_trainable
+    expected = KIMI["layers"] * expert_adapter_params(experts["layout"], KIMI["experts"], KIMI["hidden"],
+                                                      KIMI["width"], experts["rank"])
+    assert experts["params"] == expected and experts["params"] < document["params_trainable"]
+    import yaml
+
+    dtype = yaml.safe_load((REPO / "profiles" / name).read_text())["adapter"].get("dtype", "auto")
+    assert experts["bytes"] == experts["params"] * (2 if dtype == "bf16" else 4)
+    assert experts["via_targets"] is False
+
+
+def test_plan_json_names_experts_adapted_through_the_targets(make_profile):
+    """adapter.targets reaching the routed experts (PEFT over the stacked experts) is reported apart from
+    adapter.experts, and its advice still fires."""
+    plan = plan_profile(_kimi(make_profile, targets="attention+mlp"))
+    experts = plan.details["routed_expert_adapters"]
+    assert experts == {"layout": "none", "rank": 0, "params": 0, "bytes": 0, "via_targets": True}
+    assert any("PEFT builds every expert's bf16 weight" in n for n in plan.notes)

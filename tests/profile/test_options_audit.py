@@ -43,16 +43,11 @@ UNBUILT = [
     (["rollout.engine=separate"], "rollout.engine", "separate"),
     (["rollout.engine_tp=4"], "rollout.engine_tp", "4"),
     (["rollout.engine_sleep=false"], "rollout.engine_sleep", "false"),
-    (["rollout.kv_dtype=fp8"], "rollout.kv_dtype", "fp8"),
     (["hardware.gpus_per_node=2", "memory.expert_parallel=2", "adapter.targets=attention+shared"],
      "memory.expert_parallel", "2"),  # nf4 experts
     (["hardware.gpus_per_node=2", "memory.expert_parallel=2", "quant.format=int4", "adapter.targets=all-linear"],
      "memory.expert_parallel", "2"),
-    (["memory.zero_stage=3", "memory.offload_optimizer=cpu", "memory.offload_params=cpu"], "memory.offload_params", "cpu"),
-    (["memory.offload_activations=cpu"], "memory.offload_activations", "cpu"),
-    (["memory.loss_chunk_size=64"], "memory.loss_chunk_size", "64"),
     (["memory.prefetch_layers=2"], "memory.prefetch_layers", "2"),
-    (["memory.flash_attention=false"], "memory.flash_attention", "false"),
     (["quant.compute_dtype=bf16", "model.dtype=fp32"], "model.dtype", "fp32"),
     (["quant.format=fp8", "quant.group_size=32"], "quant.group_size", "32"),
     (["quant.format=int4", "quant.storage_dtype=uint8"], "quant.storage_dtype", "uint8"),
@@ -71,7 +66,7 @@ def test_train_refuses_values_it_does_not_build(capsys, trainer_calls, sets, key
 def test_train_lists_every_unbuilt_value_of_a_shipped_profile(capsys, trainer_calls):
     code, err = _run(capsys, "train", KIMI)
     assert code == 2 and trainer_calls == []
-    assert "memory.offload_activations: cpu" in err and "memory.loss_chunk_size: 4096" in err
+    assert "memory.loss_chunk_size" not in err  # train builds the chunked loss
     assert "Traceback" not in err
 
 
@@ -84,7 +79,7 @@ def test_train_on_a_profile_it_builds_reaches_the_trainer(trainer_calls):
 def test_train_refuses_before_importing_torch():
     code = ("import sys\nfrom orbitctl.cli.app import main\n"
             f"codes = [main(['train', {TINY!r}, '--set', s]) for s in "
-            "('rollout.engine=separate', 'rollout.kv_dtype=fp8', 'memory.expert_parallel=2')]\n"
+            "('rollout.engine=separate', 'rollout.engine_tp=4', 'memory.expert_parallel=2')]\n"
             "print(codes, 'torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -137,12 +132,11 @@ def test_unsupported_for_names_key_value_and_why():
     from orbitctl.profile.support import refuse_unsupported, unsupported_for
     from orbitctl.errors import UserError
 
-    profile = load_profile(TINY, ["rollout.engine=separate", "rollout.kv_dtype=fp8"])
+    profile = load_profile(TINY, ["rollout.engine=separate", "rollout.engine_tp=4"])
     found = unsupported_for("train", profile)
-    assert [(u.key, u.value) for u in found] == [("rollout.engine", "separate"), ("rollout.kv_dtype", "fp8")]
+    assert [(u.key, u.value) for u in found] == [("rollout.engine", "separate"), ("rollout.engine_tp", 4)]
     assert all(isinstance(why, str) and why for _, _, why, _ in found)
-    assert [(u.key, u.value) for u in unsupported_for("verify-alignment", profile)] == \
-        [("rollout.engine", "separate"), ("rollout.kv_dtype", "fp8")]
+    assert [(u.key, u.value) for u in unsupported_for("verify-alignment", profile)] == [("rollout.engine", "separate")]
     assert unsupported_for("verify-alignment --rollouts", profile) == []
     with pytest.raises(UserError) as info:
         refuse_unsupported(profile, "train")
@@ -226,7 +220,6 @@ def verify_calls(monkeypatch):
     (["--run", "r", "--plot", "x.png"], ["--plot", "--run"]),
     ([TINY, "--logits-a", "a", "--logits-b", "b", "--set", "rl.lr=0.1"], ["--set rl.lr", "alignment.*"]),
     ([TINY, "--run", "r", "--set", "memory.seq_len=8"], ["--set memory.seq_len", "alignment.*"]),
-    ([TINY, "--set", "rollout.kv_dtype=fp8"], ["rollout.kv_dtype: fp8"]),
     ([TINY, "--set", "rollout.engine=separate"], ["rollout.engine: separate", "--rollouts"]),
     ([TINY, "--set", "quant.format=int4", "--set", "quant.double_quant=true"], ["quant.double_quant: true", "int4"]),
 ])
@@ -255,7 +248,7 @@ def test_the_sampling_commands_refuse_what_their_infer_path_would_not_carry_out(
     from orbitctl.profile import load_profile
     from orbitctl.profile.support import unsupported_for
 
-    sets = ["rollout.engine=separate", "rollout.kv_dtype=fp8", "rollout.max_turns=3", "data.train=env:guess"]
+    sets = ["rollout.engine=separate", "rollout.max_turns=3", "data.train=env:guess"]
     found = unsupported_for(command, load_profile(TINY, sets))
-    assert sorted(u.key for u in found) == ["data.train", "rollout.engine", "rollout.kv_dtype", "rollout.max_turns"]
+    assert sorted(u.key for u in found) == ["data.train", "rollout.engine", "rollout.max_turns"]
     assert unsupported_for(command, load_profile(TINY)) == []

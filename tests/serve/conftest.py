@@ -17,11 +17,13 @@ def engine(model_cache):
 
 
 @pytest.fixture(scope="session")
-def server(engine):
-    """The running server; ``server.url`` ends in /v1."""
-    from orbitctl.serve.api import start_background
+def server(engine, tmp_path_factory):
+    """The running server, keyless on loopback, loading adapters at run time from under the session's temporary
+    directory (where every test's ``tmp_path`` lies); ``server.url`` ends in /v1."""
+    from orbitctl.serve.api import Access, start_background
+    from orbitctl.serve.security import AdapterFence
 
-    running = start_background(engine)
+    running = start_background(engine, access=Access(fence=AdapterFence(True, tmp_path_factory.getbasetemp())))
     yield running
     running.stop()
 

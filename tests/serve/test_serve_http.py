@@ -154,13 +154,14 @@ def test_loaded_adapters_change_logprobs_and_swap_in_place(engine, server, clien
     ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model"),
     ("/v1/completions", {"model": "tiny-cpu", "prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny-cpu", "prompt": [1, 100000]}, 400, "prompt"),
-    ("/v1/completions", {"model": "tiny-cpu", "prompt": "x", "n": 17}, 422, "n"),
+    ("/v1/completions", {"model": "tiny-cpu", "prompt": "x", "n": 17}, 400, "n"),
     ("/v1/completions", {"model": "tiny-cpu", "prompt": "x", "echo": True}, 422, "echo"),
     ("/v1/completions", {"model": "tiny-cpu", "prompt": "x", "best_of": 2}, 422, "best_of"),
     ("/v1/chat/completions", {"model": "tiny-cpu", "messages": []}, 422, "messages"),
     ("/v1/chat/completions", {"model": "tiny-cpu", "messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 2}, 422, None),
-    ("/v1/load_lora_adapter", {"lora_name": "z", "lora_path": "/nonexistent"}, 400, "lora_path"),
+    ("/v1/load_lora_adapter", {"lora_name": "z", "lora_path": "no-such-adapter"}, 400, "lora_path"),
+    ("/v1/load_lora_adapter", {"lora_name": "z", "lora_path": "/nonexistent"}, 403, "lora_path"),
 ])
 def test_bad_requests_get_openai_errors(server, path, body, status, param):
     r = httpx.post(server.url.removesuffix("/v1") + path, json=body, timeout=60)

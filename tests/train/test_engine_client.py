@@ -29,13 +29,14 @@ class _Scripted:
     """A loopback server answering each POST with the next scripted (status, body, delay); the last repeats."""
 
     def __init__(self, script):
-        self.script, self.requests = list(script), []
+        self.script, self.requests, self.headers = list(script), [], []
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 length = int(self.headers.get("Content-Length", 0))
                 owner.requests.append((self.path, json.loads(self.rfile.read(length))))
+                owner.headers.append(dict(self.headers))
                 status, body, delay = owner.script[min(len(owner.requests), len(owner.script)) - 1]
                 time.sleep(delay)
                 data = (body if isinstance(body, str) else json.dumps(body)).encode()
@@ -154,6 +155,47 @@ def test_sglang_native_answers_are_read_from_meta_info(scripted):
     bad = scripted((200, [{"text": "7", "meta_info": {}}] * 2, 0))
     with pytest.raises(EngineFailed, match="output_token_logprobs"):
         _sample(_client(bad.url, api="sglang", retries=0), n=2)
+
+
+@pytest.mark.parametrize("entries", [
+    [[-0.25, 7, "7"], [-0.5, 2, None]],  # SGLang: [logprob, id, text | null]
+    [[-0.25, 7], [-0.5, 2]],  # lmdeploy's SGLang-compatible server: [logprob, id], no text slot
+    [[-0.25, 7, "7"], [-0.5, 2]],
+], ids=["triples", "pairs", "mixed"])
+def test_sglang_logprobs_read_as_triples_or_pairs(scripted, entries):
+    answer = [{"text": "7", "meta_info": {"output_token_logprobs": entries, "finish_reason": {"type": "stop"}}}] * 2
+    out = _sample(_client(scripted((200, answer, 0)).url, api="sglang"), n=2)
+    assert [(c.ids, c.logprobs) for c in out] == [([7, 2], [-0.25, -0.5])] * 2
+
+
+@pytest.mark.parametrize("entries", [[[-0.25]], [[-0.25, 7, "7", 1]], [[7]]])
+def test_sglang_entries_of_another_length_are_refused(scripted, entries):
+    answer = [{"text": "7", "meta_info": {"output_token_logprobs": entries}}] * 2
+    with pytest.raises(EngineFailed, match=r"\[logprob, id\] pairs"):
+        _sample(_client(scripted((200, answer, 0)).url, api="sglang", retries=0), n=2)
+
+
+def test_the_api_key_is_sent_as_a_bearer_token_and_never_shown(scripted):
+    key = "k-7f3a9c"
+    server = scripted((200, _vllm_answer(2), 0))
+    engine = HttpEngine(server.url, "vllm", vocab_size=VOCAB, timeout_s=5.0, retries=0, api_key=key)
+    _sample(engine)
+    engine.load_adapter("a", "/x")
+    assert [h.get("Authorization") for h in server.headers] == [f"Bearer {key}"] * 2
+    assert key not in repr(engine)
+    keyless = scripted((200, _vllm_answer(2), 0))
+    _sample(_client(keyless.url))
+    assert "Authorization" not in keyless.headers[0]
+
+
+def test_a_refused_key_fails_at_once_naming_the_variable(scripted):
+    server = scripted((401, {"error": {"message": "missing or wrong API key"}}, 0))
+    engine = HttpEngine(server.url, "vllm", vocab_size=VOCAB, timeout_s=5.0, retries=3, api_key="k-wrong-1")
+    with pytest.raises(EngineFailed) as info:
+        _sample(engine)
+    message = info.value.render()
+    assert "HTTP 401" in message and "ORBITCTL_API_KEY" in message and "k-wrong-1" not in message
+    assert len(server.requests) == 1
 
 
 def test_the_url_may_name_the_root_or_the_openai_base():

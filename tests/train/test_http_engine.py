@@ -67,11 +67,17 @@ def test_the_demo_is_learned_through_the_engine_within_the_kernel_floor(tmp_path
     assert not (tmp_path / "http" / "engine.log").read_text().count("Traceback")
 
 
-def _serve(profile: Path, port: int, log: Path) -> subprocess.Popen:
+def _serve(profile: Path, port: int, log: Path, api_key: str | None = None) -> subprocess.Popen:
+    """``orbitctl serve`` loading the trainer's adapters from under the profile's directory (the run's
+    ``engine/`` is there), with ``api_key`` when given."""
+    env = {k: v for k, v in os.environ.items() if k != "ORBITCTL_API_KEY"}
+    if api_key is not None:
+        env["ORBITCTL_API_KEY"] = api_key
     with open(log, "ab") as out:
-        process = subprocess.Popen([*CLI, "serve", str(profile), "--port", str(port)], stdout=out,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 300
+        process = subprocess.Popen([*CLI, "serve", str(profile), "--port", str(port), "--allow-adapter-loading",
+                                    "--adapter-root", str(profile.parent)], stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True, env=env)
+    deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         assert process.poll() is None, log.read_text()[-2000:]
         try:
@@ -79,6 +85,8 @@ def _serve(profile: Path, port: int, log: Path) -> subprocess.Popen:
                 return process
         except OSError:
             time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)  # not left running after the test
+    process.wait()
     raise AssertionError("orbitctl serve did not start")
 
 
@@ -130,11 +138,47 @@ def test_killing_the_engine_fails_the_step_and_the_same_command_resumes(tmp_path
     assert [r["step"] for r in _metrics(run_dir)] == list(range(1, 61))
 
 
+def test_a_keyed_engine_trains_with_the_key_and_refuses_a_trainer_without_it(tmp_path, write_demo_profile,
+                                                                               one_error_line):
+    import secrets
+
+    from orbitctl.rl.engine import free_port
+
+    key = secrets.token_urlsafe(24)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    run_dir = tmp_path / "run"
+    profile = write_demo_profile(tmp_path / "p.yaml", {
+        "name": "http-key", "run.dir": str(run_dir), "rl.steps": 4, "run.save_every": 2, "run.eval_every": 1000,
+        "data.eval_size": 8, "rollout.engine": "http", "rollout.engine_url": url, "rollout.engine_sleep": False,
+        "rollout.engine_retries": 1})
+    server = _serve(profile, port, tmp_path / "serve.log", api_key=key)
+    try:
+        unkeyed = {k: v for k, v in os.environ.items() if k != "ORBITCTL_API_KEY"}
+        refused = subprocess.run([*CLI, "train", str(profile)], capture_output=True, text=True, timeout=900,
+                                 cwd=tmp_path, env=unkeyed)
+        assert refused.returncode == 1, refused.stderr[-2000:]
+        errors = [line for line in refused.stderr.splitlines() if line.startswith("Error: ")]
+        one_error_line(errors[0], f"rollout engine {url}", "HTTP 401", "ORBITCTL_API_KEY")
+        done = subprocess.run([*CLI, "train", str(profile), "--json", "--fresh"], capture_output=True, text=True,
+                              timeout=900, cwd=tmp_path, env={**unkeyed, "ORBITCTL_API_KEY": key})
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["steps"] == 4
+    assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3, 4] and all(r["update_applied"] for r in _metrics(run_dir))
+    # the key is in no log, event, metric or file of the run
+    leaked = [p for p in [*run_dir.rglob("*"), tmp_path / "serve.log"] if p.is_file() and key.encode() in p.read_bytes()]
+    assert leaked == [] and key not in done.stdout + done.stderr + refused.stdout + refused.stderr
+
+
 @pytest.mark.parametrize("sets, key", [
     ({"rollout.engine_sleep": True}, "rollout.engine_sleep"),
     ({"rollout.engine_sleep": False, "data.train": "env:guess", "rollout.max_turns": 3}, "data.train"),
     ({"rollout.engine_sleep": False, "rollout.engine_tp": 2}, "rollout.engine_tp"),
-    ({"rollout.engine_sleep": False, "rollout.kv_dtype": "fp8"}, "rollout.kv_dtype"),
+    ({"rollout.engine_sleep": False, "rollout.kv_dtype": "fp8", "rollout.engine_url": "http://127.0.0.1:8000"},
+     "rollout.kv_dtype"),
 ])
 def test_what_train_does_not_carry_out_with_an_http_engine_is_refused(tmp_path, write_demo_profile, sets, key):
     profile = load_profile(write_demo_profile(tmp_path / "p.yaml", {"rollout.engine": "http", **sets}))

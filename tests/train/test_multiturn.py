@@ -172,6 +172,8 @@ class _FakePolicy:
     """Train-path logits as one leaf tensor, so the loss's gradient per position can be read off."""
 
     device = torch.device("cpu")
+    model = torch.nn.Module()
+    """No decoder layers: nothing for the activation offload to wrap."""
 
     def __init__(self, logits):
         self.logits, self.seen = logits, []
