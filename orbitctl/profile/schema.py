@@ -194,7 +194,9 @@ class MemorySection(Section):
     gradient_checkpointing: bool = True
     """Recompute each layer in backward; keeps only the per-layer boundary tensor."""
     offload_activations: Literal["none", "cpu"] = "none"
-    """Move the checkpointed per-layer boundaries to host RAM (needs gradient_checkpointing)."""
+    """Move the checkpointed per-layer boundaries to host RAM (needs gradient_checkpointing): train saves each
+    checkpointed layer's input in pinned host memory, copied on a side stream on CUDA, and brings it back for the
+    layer's recompute; the bytes moved are the step metric offload_bytes."""
     offload_optimizer: Literal["none", "cpu"] = "none"
     """Keep fp32 master weights and Adam states in host RAM (ZeRO-Offload)."""
     offload_params: Literal["none", "cpu"] = "none"
@@ -209,9 +211,12 @@ class MemorySection(Section):
     max_hbm_utilization: float = Field(0.90, gt=0.1, le=1.0)
     """Fraction of each GPU's memory the plan may use; the rest is allocator headroom."""
     flash_attention: bool = True
-    """A flash-style attention kernel (no seq^2 score matrix kept)."""
+    """A flash-style attention kernel (no seq^2 score matrix kept): train loads the model with PyTorch SDPA;
+    false loads eager attention, whose fp32 score matrix the plan then counts."""
     loss_chunk_size: int = Field(0, ge=0)
-    """Tokens per chunk of the lm_head + loss; 0 computes the logits of the whole micro-batch at once."""
+    """Tokens per chunk of the lm_head + loss; 0 computes the logits of the whole micro-batch at once. Train runs
+    the output layer, log-softmax, sampled-token log-probs, entropy and every loss term this many positions at a
+    time, each chunk recomputed in backward, so no [tokens, vocab] tensor larger than one chunk is alive."""
     expert_parallel: int = Field(1, ge=1)
     """Expert-parallel degree P: each rank of an EP group holds 1/P of every MoE layer's routed experts (never
     gathered) and tokens travel to their experts' owners by all-to-all; 1 = no expert parallelism."""
@@ -326,7 +331,8 @@ class RolloutSection(Section):
     batch_size: int | None = Field(None, ge=1)
     """Sequences decoded at once per GPU; unset = micro_batch_size x group_size."""
     kv_dtype: Literal["bf16", "fp8"] = "bf16"
-    """KV-cache dtype of the inference path."""
+    """KV-cache dtype of the inference path: fp8 keeps K/V (MLA: the latent) in float8 e4m3 with one fp32 scale
+    per token and KV head, on the infer path of train, verify-alignment, eval and serve."""
     engine: Literal["shared", "separate", "http"] = "shared"
     """shared: rollout uses the trainer's own weights (orbitctl's infer path); separate: a colocated engine holds its
     own copy (plan models it); http: an inference engine behind HTTP (vLLM, SGLang or ``orbitctl serve``) samples

@@ -153,6 +153,12 @@ def test_two_ranks_with_the_base_offloaded_train_the_adapter_of_the_plain_zero3_
     assert zero["plain"]["stage3_max_live_parameters"] == 2 * layer
     assert zero["prefetch0"]["stage3_prefetch_bucket_size"] == 0 == zero["prefetch0"]["stage3_max_reuse_distance"]
     assert zero["prefetch0"]["stage3_max_live_parameters"] == layer
+    # `train --dry-run` works out the same config from the architecture, without loading the model
+    from orbitctl.launch.dryrun import dry_run
+    from orbitctl.profile import load_profile
+
+    for name in ("offload", "prefetch0"):
+        assert dry_run(load_profile(str(profiles[name]))).deepspeed_config == configs[name], name
 
     assert _rewards(runs["plain"]) == _rewards(runs["offload"]) == _rewards(runs["prefetch0"])
     adapters = {name: _adapter(run) for name, run in runs.items()}
