@@ -48,7 +48,7 @@ class SandboxResult:
     passed: int
     total: int
     status: str
-    """ok, timeout, crashed (no result line) or error."""
+    """ok, timeout (wall clock or CPU seconds), crashed (no result line) or error."""
 
     @property
     def fraction(self) -> float:
@@ -108,7 +108,8 @@ def run_tests(program: str, tests: str, entry_point: str | None = None,
             if line.startswith(nonce):
                 doc = json.loads(line[len(nonce):])
                 return SandboxResult(int(doc["passed"]), int(doc["total"]), "ok")
-        return SandboxResult(0, 1, "crashed")
+        # out of CPU seconds is the same verdict as out of wall-clock time, whichever came first
+        return SandboxResult(0, 1, "timeout" if proc.returncode == -signal.SIGXCPU else "crashed")
     except OSError:
         return SandboxResult(0, 1, "error")
     finally:

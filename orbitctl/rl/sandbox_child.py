@@ -116,9 +116,11 @@ def confine(workdir: str, limits: dict, read_roots: list[str], nproc: int) -> No
         libc.unshare(_CLONE_NEWNET)
     else:
         libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET)
-    for limit, value in ((resource.RLIMIT_CPU, limits["cpu_s"]), (resource.RLIMIT_AS, limits["memory_bytes"]),
-                         (resource.RLIMIT_FSIZE, limits["file_bytes"]), (resource.RLIMIT_NOFILE, limits["open_files"]),
-                         (resource.RLIMIT_CORE, 0)):
+    # the CPU hard limit sits a second above the soft one: the kernel sends SIGXCPU at the soft limit
+    # (the parent reports it as a timeout) and SIGKILL at the hard one only to a program that ignores it
+    resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
+    for limit, value in ((resource.RLIMIT_AS, limits["memory_bytes"]), (resource.RLIMIT_FSIZE, limits["file_bytes"]),
+                         (resource.RLIMIT_NOFILE, limits["open_files"]), (resource.RLIMIT_CORE, 0)):
         resource.setrlimit(limit, (value, value))
     if os.geteuid() == 0:
         _become_nobody(libc)

@@ -27,8 +27,19 @@ def test_top_level_asserts_without_check_function():
 
 def test_infinite_loop_is_killed():
     result = run_tests("def f(x):\n    while True:\n        pass\n", TESTS, "f", FAST)
-    # the wall-clock timeout or the CPU-seconds limit, whichever the machine's load makes first
-    assert result.status in ("timeout", "crashed") and result.fraction == 0.0
+    # the wall-clock timeout or the CPU-seconds limit, whichever the machine's load makes first: both are a timeout
+    assert result.status == "timeout" and result.fraction == 0.0
+
+
+def test_a_loop_out_of_cpu_seconds_is_a_timeout_not_a_crash():
+    # the wall clock is far off, so the CPU-seconds limit is what stops it
+    result = run_tests("def f(x):\n    while True:\n        pass\n", TESTS, "f", SandboxLimits(timeout_s=60.0, cpu_s=1))
+    assert result.status == "timeout" and result.fraction == 0.0
+
+
+def test_a_program_that_kills_itself_is_a_crash():
+    result = run_tests("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", TESTS, "f", FAST)
+    assert result.status == "crashed" and result.fraction == 0.0
 
 
 def test_fork_bomb_is_contained():
