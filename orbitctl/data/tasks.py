@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 import re
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -132,6 +133,32 @@ def _mod3_score(completion: str, item: PromptItem) -> float:
     return 1.0 if (int(match.group(1)) + int(item.answer or 0)) % 3 == 0 else 0.0
 
 
+ARITH_OPERATIONS = (("+", range(2, 30), range(2, 30)), ("-", range(10, 40), None), ("times", range(2, 10), range(2, 10)))
+"""Sums of two numbers below 30, differences of a number below 40 and a smaller one, one-digit products."""
+
+_FINAL_NUMBER = re.compile(r"(-?\d+)\s*\.?\s*$")
+
+
+def _arith_items() -> list[PromptItem]:
+    items = []
+    for op, firsts, seconds in ARITH_OPERATIONS:
+        for a in firsts:
+            for b in (seconds if seconds is not None else range(1, a)):
+                value = a + b if op == "+" else a - b if op == "-" else a * b
+                items.append(PromptItem(prompt=f"What is {a} {op} {b}?", answer=str(value), source="builtin:arith"))
+    return items
+
+
+def _arith_held_out(item: PromptItem) -> bool:
+    # a fixed tenth of the questions, spread over every operation by a hash of the question
+    return zlib.crc32(item.prompt.encode()) % 10 == 0
+
+
+def _arith_score(completion: str, item: PromptItem) -> float:
+    match = _FINAL_NUMBER.search(completion.strip())
+    return 1.0 if match is not None and match.group(1) == item.answer else 0.0
+
+
 BUILTIN_TASKS: dict[str, BuiltinTask] = {
     "mod3": BuiltinTask(
         name="mod3",
@@ -145,6 +172,15 @@ BUILTIN_TASKS: dict[str, BuiltinTask] = {
         description="two digits that sum to the target: '+-S07:' -> '25'; ids ending in '?' held out",
         items=_digit_sum_items, is_eval=_held_out, score=_digit_sum_score,
         format_example=_digit_sum_format, max_new_tokens=3,
+    ),
+    "arith": BuiltinTask(
+        name="arith",
+        description="a short arithmetic question in words, 'What is 24 + 17?': the reward is 1 when the completion "
+                    "ends with the right number ('24 + 17 = 41', '41'), 0 when it is cut short or says more after it; "
+                    "a fixed tenth of the questions held out",
+        items=_arith_items, is_eval=_arith_held_out, score=_arith_score,
+        format_example=lambda item, rng: str(rng.randrange(100)), max_new_tokens=10,
+        meta={"for": "pretrained instruct models under their chat template"},
     ),
 }
 

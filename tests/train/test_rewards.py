@@ -101,6 +101,27 @@ def test_builtin_rewards_accept_every_valid_answer():
     assert digit_sum(["25", "70", "26", "2x", "7"], [PromptItem("+-S07:", "7")] * 5) == [1.0, 1.0, 0.0, 0.0, 0.0]
     mod3 = make_reward("builtin", builtin_task("mod3"))
     assert mod3(["1", "4", "7", "5", "14"], [PromptItem("+-M5:", "5")] * 5) == [1.0, 1.0, 1.0, 0.0, 0.0]
+    arith = make_reward("builtin", builtin_task("arith"))
+    answers = ["24 + 17 = 41", "41", " 41.\n", "The answer is 41", "41 apples", "To add 24 and 17,", "24 + 17 = 31",
+               "141", "-41"]
+    assert arith(answers, [PromptItem("What is 24 + 17?", "41")] * len(answers)) == [1.0] * 4 + [0.0] * 5
+
+
+def test_arith_questions_are_right_and_their_held_out_tenth_spans_every_operation():
+    from orbitctl.profile.schema import DataSection
+
+    task = builtin_task("arith")
+    items = task.items()
+    for item in items:
+        a, op, b = item.prompt.removeprefix("What is ").removesuffix("?").split()
+        assert int(item.answer) == {"+": int(a) + int(b), "-": int(a) - int(b), "times": int(a) * int(b)}[op]
+        assert int(item.answer) > 0
+    held = [i for i in items if task.is_eval(i)]
+    assert 0.07 < len(held) / len(items) < 0.13
+    assert {i.prompt.split()[3] for i in held} == {"+", "-", "times"}
+    split = load_prompts(DataSection(train="builtin:arith", eval_size=len(held)), seed=0)
+    assert {i.prompt for i in split.eval} == {i.prompt for i in held}
+    assert not {i.prompt for i in split.eval} & {i.prompt for i in split.train}
 
 
 def test_user_reward_by_signature(tmp_path, monkeypatch):
