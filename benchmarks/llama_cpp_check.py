@@ -17,7 +17,6 @@ import json
 import tempfile
 from pathlib import Path
 
-import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,9 +29,9 @@ def main() -> None:
     from orbitctl.builder import load_policy, prepare_frozen_base
     from orbitctl.data.prompts import load_prompts
     from orbitctl.export.api import export
-    from orbitctl.export.compare import distances, held_out_sequences, train_path_logits
-    from orbitctl.export.llamacpp import llama_cpp_logits
-    from orbitctl.model.adapters import save_adapter
+    from orbitctl.export.compare import held_out_sequences
+    from orbitctl.export.llamacpp import llama_cpp_agreement
+    from orbitctl.model.adapters import randomize_adapters, save_adapter
     from orbitctl.profile import load_profile
 
     work = Path(tempfile.mkdtemp(prefix="llama-cpp-check-"))
@@ -43,27 +42,14 @@ def main() -> None:
     profile = load_profile(str(profile_path))
     policy = load_policy(profile, prepare_frozen_base(profile, load_prompts(profile.data, profile.run.seed).warm_task),
                          device="cpu")
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, param in policy.model.named_parameters():
-            if "lora_" in name:
-                param.copy_((torch.randn(param.shape, generator=gen) * 0.15).to(param.dtype))
+    randomize_adapters(policy.model, seed=7, std=0.15)
     save_adapter(policy.model, work / "adapter", "lora", policy.hidden_size)
     result = export(str(profile_path), str(work / "gguf"), "gguf", adapter=str(work / "adapter"))
     seqs = held_out_sequences(profile, policy, args.prompts)
-    train = train_path_logits(policy, seqs)
-    from orbitctl.model.adapters import adapters_disabled
-
-    with adapters_disabled(policy.model):
-        train_base = train_path_logits(policy, seqs)
-    figures = {
-        # the floor: the same integers on both sides, adapters off; only the kernels differ
-        "floor_base_vs_base": distances(train_base, llama_cpp_logits(work / "gguf" / "model.gguf", seqs)),
-        "with_adapter": distances(train, llama_cpp_logits(work / "gguf" / "model.gguf", seqs,
-                                                          lora_path=work / "gguf" / "adapter.gguf")),
-        "without_adapter": distances(train, llama_cpp_logits(work / "gguf" / "model.gguf", seqs)),
-        "counts": result.counts,
-    }
+    agreement = llama_cpp_agreement(policy, seqs, work / "gguf" / "model.gguf", work / "gguf" / "adapter.gguf")
+    # the floor: the same integers on both sides, adapters off; only the kernels differ
+    figures = {"floor_base_vs_base": agreement["floor"], "with_adapter": agreement["with_adapter"],
+               "without_adapter": agreement["without_adapter"], "counts": result.counts}
     print(json.dumps(figures, indent=2))
 
 

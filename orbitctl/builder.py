@@ -64,8 +64,10 @@ def prepare_frozen_base(profile, task) -> PreparedBase:
                             fix="run `orbitctl quantize PROFILE` first or fix the path")
         return PreparedBase(path, None, False, {})
     if profile.model.path:
-        source = Path(profile.model.path)
-        if not (source / "config.json").exists():
+        from orbitctl.arch.model_source import is_gguf, resolve_model_path
+
+        source = resolve_model_path(profile.model.path)  # a directory or a .gguf file, pkg:PACKAGE/PATH too
+        if not is_gguf(source) and not (source / "config.json").exists():
             raise UserError(f"model.path: {source} has no config.json", fix="point model.path at a Hugging Face checkpoint directory")
         import hashlib
 

@@ -17,6 +17,14 @@ MLA_TYPES = ("deepseek_v3", "kimi_k2")
 SUPPORTED = GQA_TYPES + MLA_TYPES
 
 
+def tied_embeddings(config: dict) -> bool:
+    """Whether the model's output layer is its input embedding (``tie_word_embeddings``; unset means untied,
+    as for every model type parsed here). A tied checkpoint stores one matrix, ``embed_tokens``."""
+    if "text_config" in config and "hidden_size" not in config:
+        config = config["text_config"]
+    return bool(config.get("tie_word_embeddings", False))
+
+
 def arch_from_config(config: dict, name: str = "custom", source: str = "config.json") -> ArchSpec:
     """Parse a config.json dict; unknown model types and missing keys are a UserError naming the key."""
     if "text_config" in config and "hidden_size" not in config:
@@ -160,7 +168,7 @@ def _build(r: _Reader, name: str, model_type: str, mla: bool) -> ArchSpec:
     moe_layer = tuple(attention + _moe_mlp(model_type, h, moe_dims) + norms) if moe_dims else ()
     layers = tuple(Layer(i, flag, moe_layer if flag else dense_layer) for i, flag in enumerate(moe_flags))
 
-    tie = r.flag("tie_word_embeddings", False)
+    tie = tied_embeddings(r.config)
     mtp = r.int("num_nextn_predict_layers", 0) if mla else 0
     mtp_params = 0
     if mtp:

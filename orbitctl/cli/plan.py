@@ -74,6 +74,11 @@ def plan(
         raise CheckFailed(result.failure(), fix="Apply one of the advice lines (--set KEY=VALUE) and plan again")
 
 
+def _count(params: int) -> str:
+    """A parameter count in billions, or in millions below one billion (a 135 M model is not '0.1 B')."""
+    return f"{params / 1e9:.1f} B" if params >= 1e9 else f"{params / 1e6:.1f} M"
+
+
 def _line(markup: str) -> None:
     """One line, never wrapped: verdicts and --set flags must stay copy-pasteable."""
     output.console("stdout").print(markup, soft_wrap=True, highlight=False)
@@ -100,7 +105,7 @@ def _render(result) -> None:
     output.show(table)
     color = "green" if plan.fits and not plan.tight else ("yellow" if plan.fits else "red")
     _line(f"[{color}]{plan.verdict()}[/{color}]")
-    _line(f"params: {plan.params_total / 1e9:.1f} B total, {plan.params_active / 1e9:.1f} B active, "
+    _line(f"params: {_count(plan.params_total)} total, {_count(plan.params_active)} active, "
           f"{plan.params_trainable / 1e6:.1f} M trainable; largest micro-batch that fits: {plan.max_micro_batch}; "
           f"host RAM {gib(plan.host_bytes)} of {gib(plan.host_capacity_bytes)} GiB per node")
     if plan.communication is not None and plan.communication.total_bytes:

@@ -16,7 +16,7 @@ from orbitctl.cli.common import JsonOption, SetOption, overrides
 
 
 def quantize(
-    target: Optional[str] = typer.Argument(None, metavar="PROFILE | SRC", help="A profile YAML, or a checkpoint directory (then OUT and --format)."),
+    target: Optional[str] = typer.Argument(None, metavar="PROFILE | SRC", help="A profile YAML, or a checkpoint directory or .gguf file, pkg:PACKAGE/PATH too (then OUT and --format)."),
     out: Optional[str] = typer.Argument(None, metavar="[OUT]", help="Output directory (with SRC)."),
     fmt: Optional[str] = typer.Option(None, "--format", "-f", help="nf4, fp4, int4, fp8 or none (required with SRC; with a profile it sets quant.format)."),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="bnb block size (nf4/fp4) or INT4 group (32/64/128); unset: quant.group_size."),

@@ -6,7 +6,8 @@
   ``.quant_map``, ``.nested_absmax``, ``.nested_quant_map`` and ``.quant_state.bitsandbytes__<type>``.
 - ``int4``: symmetric group-wise INT4 in the compressed-tensors ``pack-quantized`` layout:
   ``W.weight_packed`` (int32, eight 4-bit values per word, lowest nibble first, stored as
-  value + 8), ``W.weight_scale`` (bf16, one per group of input columns) and ``W.weight_shape``.
+  value + 8), ``W.weight_scale`` (bf16, one per group of input columns; fp16 when a GGUF Q4_0
+  weight's own scales are copied, which bf16 cannot hold; any float dtype reads) and ``W.weight_shape``.
 - ``fp8``: float8 e4m3 with one float32 scale per 128x128 block in ``W.weight_scale_inv``
   (the DeepSeek-V3 layout; dequantized weight = fp8 value x scale of its block).
 

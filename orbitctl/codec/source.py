@@ -1,5 +1,7 @@
 """A Hugging Face checkpoint directory opened for streaming: config, shards, tensors.
 
+(A GGUF file opens as a :class:`~orbitctl.codec.gguf_source.GGUFCheckpoint` with the same interface.)
+
 Everything is checked before any work starts, so bad input fails in the first second with
 one line: a missing or truncated shard, an index naming a file that is not there, a tensor
 dtype or architecture the converter does not handle. Tensors are then read one at a time;
@@ -34,6 +36,8 @@ class Checkpoint:
     entries: dict[str, TensorEntry]
     files: list[Path]
     headers: dict[str, bytes] = field(default_factory=dict)
+    source_format = "safetensors"
+    """'safetensors' (a Hugging Face directory) or 'gguf'; a class constant, not a field."""
 
     @property
     def source_quant(self) -> str:
@@ -69,6 +73,24 @@ class Checkpoint:
             return out
         return tensor
 
+    def stored_as(self, name: str, spec) -> dict[str, torch.Tensor] | None:
+        """The tensors ``name`` is stored as in ``spec``, copied without decoding, or None (decode and quantize).
+        A safetensors checkpoint has nothing of the kind; a GGUF file's Q4_0 weights do (int4, group 32)."""
+        return None
+
+    def lossless(self, name: str, spec) -> bool:
+        """True when :meth:`stored_as` copies ``name`` exactly into ``spec``."""
+        return False
+
+    def source_type(self, name: str) -> str:
+        """The tensor's type in the source (a safetensors dtype, or a GGUF block type such as Q4_1)."""
+        return self.entries[name].dtype
+
+    @property
+    def side_dir(self) -> Path | None:
+        """The directory whose tokenizer and generation files travel with the output (None: none)."""
+        return self.path
+
     def fingerprint(self) -> str:
         """sha256 of config.json, the file list with sizes and every safetensors header (cheap, no data read)."""
         h = hashlib.sha256()
@@ -83,10 +105,18 @@ class Checkpoint:
 
 
 def open_checkpoint(src: str | Path) -> Checkpoint:
-    """Open and check a checkpoint directory; raise UserError/InputFileError (exit 2) on bad input."""
-    path = Path(src)
+    """Open and check a checkpoint directory or a GGUF file; raise UserError/InputFileError (exit 2) on bad input.
+
+    ``src`` may be written ``pkg:PACKAGE/PATH`` (:func:`~orbitctl.arch.model_source.resolve_model_path`)."""
+    from orbitctl.arch.model_source import is_gguf, resolve_model_path
+
+    path = resolve_model_path(src)
+    if is_gguf(path):
+        from orbitctl.codec.gguf_source import open_gguf
+
+        return open_gguf(path)
     if not path.is_dir():
-        raise InputFileError(f"{path}: checkpoint directory not found", fix="pass a Hugging Face checkpoint directory (config.json + *.safetensors)")
+        raise InputFileError(f"{path}: checkpoint directory not found", fix="pass a Hugging Face checkpoint directory (config.json + *.safetensors) or a .gguf file")
     config = _read_config(path)
     files = _shard_files(path)
     entries: dict[str, TensorEntry] = {}

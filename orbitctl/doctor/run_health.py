@@ -471,10 +471,9 @@ def _clip_change(profile: Any) -> dict[str, Any]:
 
 def _hidden_size(profile: Any) -> int | None:
     try:
-        from orbitctl.arch import arch_from_config, builtin_arch, load_config_file
+        from orbitctl.arch import model_arch
 
-        arch = (builtin_arch(profile.model.arch) if profile.model.arch
-                else arch_from_config(load_config_file(profile.model.config)))
+        arch = model_arch(profile.model)
     except Exception:  # an unreadable model config leaves the rank unjudged, never the whole report
         return None
     return arch.hidden_size

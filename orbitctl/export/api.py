@@ -95,9 +95,10 @@ def source_config(profile, profile_path: str) -> tuple[dict, str]:
     if profile.model.quantized_path:
         path = Path(profile.model.quantized_path) / "config.json"
         return read_json(path, what="config.json", key="model.quantized_path"), str(path)
-    if profile.model.path:
-        path = Path(profile.model.path) / "config.json"
-        return read_json(path, what="config.json", key="model.path"), str(path)
+    if profile.model.path:  # a checkpoint directory's config.json, or a GGUF file's metadata (pkg: paths too)
+        from orbitctl.arch.model_source import source_config as model_path_config
+
+        return model_path_config(profile.model.path)
     if profile.model.arch:
         from orbitctl.arch.catalog import builtin_config, resolve_name
         from orbitctl.model.demo_base import demo_config

@@ -88,9 +88,18 @@ class QuantizedBase:
             return True
         return any(part in name for part in _BNB_SIDECARS) and name.split(".weight.", 1)[0] + ".weight" in self.entries
 
+    @property
+    def tied(self) -> bool:
+        """The output layer is the embedding (``tie_word_embeddings``): one matrix, ``embed_tokens``."""
+        from orbitctl.arch import tied_embeddings
+
+        return tied_embeddings(self.config)
+
     def names(self) -> list[str]:
-        """The model's tensor names in file order (``X.weight_packed`` stands for ``X.weight``)."""
-        return [n.removesuffix("_packed") for n in self.entries if not self._is_sidecar(n)]
+        """The model's tensor names in file order (``X.weight_packed`` stands for ``X.weight``). A tied model
+        has no output weight of its own: an ``lm_head`` copy in the checkpoint is left out, as the loaders do."""
+        return [n.removesuffix("_packed") for n in self.entries
+                if not self._is_sidecar(n) and not (self.tied and n.startswith("lm_head."))]
 
     def read(self, name: str) -> BaseWeight:
         """The weight ``name`` (a model tensor name, as :meth:`names` gives it)."""

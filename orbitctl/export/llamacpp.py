@@ -29,3 +29,22 @@ def llama_cpp_logits(model_path: str | Path, seqs: list[list[int]], *, lora_path
         out.append(torch.from_numpy(np.array(llm.scores[: len(seq) - 1], dtype=np.float32)))
     llm.close() if hasattr(llm, "close") else None
     return out
+
+
+def llama_cpp_agreement(policy, seqs: list[list[int]], model_path: str | Path, lora_path: str | Path) -> dict:
+    """llama.cpp on the exported files against the train path, as three distances (:func:`distances`):
+
+    * ``floor``: both sides without the adapter, the same integers: only the kernels differ;
+    * ``with_adapter``: the adapted train path against llama.cpp with the LoRA GGUF;
+    * ``without_adapter``: the adapted train path against llama.cpp without it (what the adapter is worth).
+    """
+    from orbitctl.export.compare import distances, train_path_logits
+    from orbitctl.model.adapters import adapters_disabled
+
+    train = train_path_logits(policy, seqs)
+    with adapters_disabled(policy.model):
+        train_base = train_path_logits(policy, seqs)
+    plain = llama_cpp_logits(model_path, seqs)
+    return {"floor": distances(train_base, plain),
+            "with_adapter": distances(train, llama_cpp_logits(model_path, seqs, lora_path=lora_path)),
+            "without_adapter": distances(train, plain)}

@@ -81,6 +81,9 @@ def resolve_targets(model, targets) -> list[str]:
                             fix="use all-linear, attention, attention+mlp, attention+shared or a list of module names")
     else:
         wanted = list(targets)
+        if any(t == "lm_head" or t.endswith(".lm_head") for t in wanted):
+            raise UserError("adapter.targets: lm_head: the output layer is never adapted (it stays frozen with the "
+                            "base; on a tied model it is the embedding)", fix="remove lm_head from adapter.targets")
         chosen = [n for n in names if any(n == t or n.endswith("." + t) for t in wanted)]
         missing = [t for t in wanted if not any(n == t or n.endswith("." + t) for n in names)]
         if missing:
@@ -325,6 +328,19 @@ def load_bottleneck(model, directory: str | Path) -> None:
                 lin = getattr(m, part)
                 lin.weight.copy_(tensors[f"layers.{i}.{part}.weight"])
                 lin.bias.copy_(tensors[f"layers.{i}.{part}.bias"])
+
+
+def randomize_adapters(model, *, seed: int, std: float) -> None:
+    """Seeded normal values in every trainable (adapter) weight, LoRA's zero B included: an adapter of the
+    size a short training run reaches, for checks that carry one through export, serve or verification
+    without training it."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.copy_((torch.randn(param.shape, generator=gen) * std).to(param.dtype))
 
 
 @contextmanager

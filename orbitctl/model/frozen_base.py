@@ -11,6 +11,10 @@
   into the parameters of the same names. Dequantization is plain torch, per forward.
 - none: a plain transformers model in the compute dtype.
 
+A model with tied embeddings (``tie_word_embeddings``) keeps one matrix, the unquantized
+``embed_tokens``, and its output layer is a plain ``nn.Linear`` over that same tensor in every
+format: never a 4-bit layer wrapping the embedding, never a second copy.
+
 Every parameter of the base has ``requires_grad=False``.
 """
 
@@ -65,9 +69,10 @@ def load_frozen_base(quantized_dir: str | Path, *, device: str | torch.device = 
     if fmt in ("int4", "fp8"):
         model = _load_with_quant_linear(path, torch.device(device), compute_dtype, experts, attention)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype, device_map=str(device),
-                                                     attn_implementation=attention)
+        model = AutoModelForCausalLM.from_pretrained(path, config=_config_keeping_tied_head(path), dtype=compute_dtype,
+                                                     device_map=str(device), attn_implementation=attention)
         _cast_unquantized(model, compute_dtype)
+    _check_tied_head(model, path)
     for p in model.parameters():
         p.requires_grad_(False)
     for module in model.modules():
@@ -81,6 +86,38 @@ def load_frozen_base(quantized_dir: str | Path, *, device: str | torch.device = 
             module.compute_dtype, module.compute_type_is_set = compute_dtype, True
     model.eval()
     return model
+
+
+def _config_keeping_tied_head(path: Path):
+    """The checkpoint's config, with ``lm_head`` among bitsandbytes' skipped modules when the embeddings are tied.
+
+    An explicit ``llm_int8_skip_modules`` replaces transformers' own default (which skips tied and output
+    layers), so a tied checkpoint whose list leaves ``lm_head`` out would get a 4-bit output layer wrapping
+    the bf16 embedding, and bitsandbytes fails at the first forward. orbitctl quantize writes ``lm_head``
+    into the list; checkpoints written before it did are read the same way."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    qc = getattr(config, "quantization_config", None)
+    if isinstance(qc, dict) and qc.get("quant_method") == "bitsandbytes" and _ties_embeddings(config):
+        skip = list(qc.get("llm_int8_skip_modules") or [])
+        if "lm_head" not in skip:
+            config.quantization_config = {**qc, "llm_int8_skip_modules": [*skip, "lm_head"]}
+    return config
+
+
+def _ties_embeddings(config) -> bool:
+    return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+
+
+def _check_tied_head(model: nn.Module, path: Path) -> None:
+    """A tied model's output layer is a plain linear layer over the embedding tensor itself."""
+    if not _ties_embeddings(model.config):
+        return
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if type(head) is not nn.Linear or head.weight is not embedding.weight:
+        raise InputFileError(f"{path}: tie_word_embeddings is set but the output layer ({type(head).__name__}) is not "
+                             "a plain linear layer over the embedding", fix="quantize the checkpoint again with orbitctl quantize")
 
 
 def _cast_unquantized(model: nn.Module, compute_dtype: torch.dtype) -> None:
@@ -145,10 +182,12 @@ def _load_with_quant_linear(path: Path, device: torch.device, compute_dtype: tor
         del config.quantization_config
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype, attn_implementation=attention)
-    shapes = {name: e.shape for name, e in ckpt.entries.items()}
+    tied = _ties_embeddings(config)
+    # a tied checkpoint may still store lm_head (a copy of the embedding): the output layer uses embed_tokens
+    shapes = {name: e.shape for name, e in ckpt.entries.items() if not (tied and name.startswith("lm_head."))}
     elsewhere = _swap_modules(model, shapes, experts)
-    _load_tensors(model, ckpt, device, elsewhere)
-    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in shapes:
+    _load_tensors(model, ckpt, device, elsewhere, only=shapes)
+    if tied:
         model.tie_weights()
     missing = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
     if missing:
@@ -216,14 +255,16 @@ def _is_fused_experts(module: nn.Module) -> bool:
     return isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
 
 
-def _load_tensors(model: nn.Module, ckpt: Any, device: torch.device, owned: dict[str, range] | None = None) -> None:
-    """Read every tensor into its place, each from its own byte range; experts another rank owns are not read."""
+def _load_tensors(model: nn.Module, ckpt: Any, device: torch.device, owned: dict[str, range] | None = None,
+                  only: dict | None = None) -> None:
+    """Read every tensor into its place, each from its own byte range; experts another rank owns, and tensors
+    not in ``only`` (when given), are not read."""
     from orbitctl.codec.safetensors_io import read_tensor
 
     handles: dict[Path, Any] = {}
     try:
         for name, entry in ckpt.entries.items():
-            if owned and _held_elsewhere(name, owned):
+            if (owned and _held_elsewhere(name, owned)) or (only is not None and name not in only):
                 continue
             module_name, _, attr = name.rpartition(".")
             try:
@@ -234,8 +275,9 @@ def _load_tensors(model: nn.Module, ckpt: Any, device: torch.device, owned: dict
             handle = handles.get(entry.file) or handles.setdefault(entry.file, entry.file.open("rb"))
             tensor = read_tensor(entry, handle)
             current = getattr(module, attr, None)
+            # int4 scales keep their stored dtype: a GGUF Q4_0 weight's fp16 scales are exact only in fp16
             if current is not None and current.is_floating_point() and tensor.is_floating_point() and \
-                    tensor.dtype not in (torch.float8_e4m3fn,) and current.dtype != tensor.dtype:
+                    tensor.dtype not in (torch.float8_e4m3fn,) and current.dtype != tensor.dtype and attr != "weight_scale":
                 tensor = tensor.to(current.dtype)
             tensor = tensor.to(device)
             if attr in module._buffers:

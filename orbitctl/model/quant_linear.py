@@ -5,7 +5,9 @@ planner's shadow runs) and under ``torch.compile``. Parameter names equal the ch
 tensor names (``weight_packed``/``weight_scale``/``weight_shape`` for INT4,
 ``weight``/``weight_scale_inv`` for FP8), so ``state_dict()`` round-trips to the file
 layout. The quantized data are frozen ``nn.Parameter``s rather than buffers so that ZeRO-3
-shards them like any other weight.
+shards them like any other weight. ``weight_scale`` is bf16 as built here and takes the dtype
+of the tensor loaded into it (fp16: the exact scales of a GGUF Q4_0 weight); the dequantizers
+compute in float32 from either.
 
 Routed experts: transformers 5 holds them fused ([E, 2I, H]); :class:`QuantExperts` keeps one
 :class:`QuantLinear` per expert and projection instead (named like the checkpoint,

@@ -81,3 +81,16 @@ def build_tiny_model(
         kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(out, **kwargs)
     return out
+
+
+def build_tiny_char_model(out_dir: str | Path, *, seed: int = 0, **overrides: Any) -> Path:
+    """A tiny random-init llama over the demo's character tokenizer (``tokenizer.json`` written beside it), as a
+    checkpoint directory ``model.path`` can name: quantize, train, serve and export run on it end to end, with
+    none of the demo's warm start. ``tie_word_embeddings=True`` gives the tied variant; the vocabulary and the
+    special ids are the tokenizer's (pad 0, bos 1, eos 2)."""
+    from orbitctl.model.charset import VOCAB_SIZE, save_char_tokenizer
+
+    values = {"vocab_size": VOCAB_SIZE, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **overrides}
+    out = build_tiny_model("llama", out_dir, seed=seed, **values)
+    save_char_tokenizer(out, int(values["vocab_size"]))
+    return out

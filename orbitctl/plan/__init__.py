@@ -35,17 +35,20 @@ def _builtin(name: str):
 
 
 @lru_cache(maxsize=32)
-def _from_file(path: str, mtime: float):
+def _from_file(path: str, mtime: float, key: str = "model.config"):
     from orbitctl.arch import arch_from_config, load_config_file
 
-    return arch_from_config(load_config_file(path), name=Path(path).parent.name or "custom", source=path)
+    return arch_from_config(load_config_file(path, key), name=Path(path).parent.name or "custom", source=path)
 
 
 def _arch(profile):
+    """The catalog's architecture, or model.config's (else model.path's config.json), parsed once per file version."""
     if profile.model.arch:
         return _builtin(profile.model.arch)
-    path = Path(profile.model.config)
-    return _from_file(str(path), path.stat().st_mtime if path.exists() else 0.0)
+    from orbitctl.arch import model_config_file
+
+    path, key = model_config_file(profile.model)
+    return _from_file(str(path), path.stat().st_mtime if path.exists() else 0.0, key)
 
 
 def apply_changes(profile, change: dict[str, Any]):

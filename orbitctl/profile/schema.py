@@ -58,9 +58,9 @@ class ModelSection(Section):
     arch: str | None = None
     """Built-in architecture name (see `orbitctl plan --list-archs`), e.g. kimi-k2, llama-3.1-8b, tiny-llama."""
     config: str | None = None
-    """Path to a Hugging Face config.json for an architecture not in the catalog."""
+    """Path to a Hugging Face config.json for an architecture not in the catalog; unset, the config.json in model.path is read."""
     path: str | None = None
-    """Hugging Face checkpoint directory (safetensors) to quantize and train from."""
+    """Hugging Face checkpoint directory (safetensors) or .gguf file to quantize and train from, or pkg:PACKAGE/PATH inside an installed package; alone, its config.json (a GGUF: its metadata) gives the architecture."""
     quantized_path: str | None = None
     """Directory of the frozen quantized base written by `orbitctl quantize`."""
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
@@ -70,8 +70,9 @@ class ModelSection(Section):
     def _one_source(self) -> "ModelSection":
         if self.arch and self.config:
             raise ValueError("set either model.arch or model.config, not both")
-        if not self.arch and not self.config:
-            raise ValueError("set model.arch (a built-in name) or model.config (path to config.json)")
+        if not self.arch and not self.config and not self.path:
+            raise ValueError("set model.arch (a built-in name), model.config (path to config.json) "
+                             "or model.path (a checkpoint directory with its config.json)")
         return self
 
     @field_validator("arch")

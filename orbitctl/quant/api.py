@@ -165,7 +165,7 @@ def quantize_profile(profile_path: str | Path, overrides: list[str] | tuple[str,
     profile = load_profile(profile_path, overrides)
     q = profile.quant
     if not profile.model.path:
-        raise UserError(f"{profile_path}: model.path is not set", fix="set model.path to the Hugging Face checkpoint directory to quantize "
+        raise UserError(f"{profile_path}: model.path is not set", fix="set model.path to the Hugging Face checkpoint directory or .gguf file to quantize "
                         "(a tiny catalog model such as the demo's is built and quantized by `orbitctl train`)")
     if not profile.model.quantized_path:
         raise UserError(f"{profile_path}: model.quantized_path is not set", fix="set model.quantized_path to the output directory")

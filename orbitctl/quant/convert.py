@@ -19,13 +19,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from orbitctl.arch import tied_embeddings
 from orbitctl.errors import UserError
 from orbitctl.quant import manifest as mf
 from orbitctl.codec.formats import FORMATS, INT4_GROUPS, FormatSpec, dequantize_weight, quantize_weight, stored_specs, unsupported_reason
 from orbitctl.quant.outdir import finish_output, prepare_output
 from orbitctl.codec.qconfig import check_int4_config
 from orbitctl.quant.report import tensor_stats
-from orbitctl.codec.safetensors_io import DTYPE_NAMES, ShardWriter, header_reserve
+from orbitctl.codec.safetensors_io import DTYPE_NAMES, DTYPES, ShardWriter, header_reserve
 from orbitctl.codec.source import Checkpoint, open_checkpoint
 from orbitctl.codec.targets import module_kind, quant_decision
 from orbitctl.rundir import atomic_file
@@ -34,6 +35,7 @@ DEFAULT_MAX_SHARD_BYTES = 2 * 1000**3
 ProgressFn = Callable[[int, int], None]
 # Test hook: seconds to sleep after each finished shard, so a test can kill the run mid-way.
 PAUSE_ENV = "ORBITCTL_QUANTIZE_PAUSE_AFTER_SHARD_S"
+TIED_REASON = "tied to the embedding: the output layer is embed_tokens, kept bf16"
 MOE_BNB_REASON = "routed experts stay bf16 in nf4/fp4: transformers loads bitsandbytes 4-bit only into nn.Linear, not fused experts"
 
 
@@ -209,6 +211,8 @@ def tensor_decision(ckpt: Checkpoint, name: str, opts: ConvertOptions, passthrou
     entry = ckpt.entries[name]
     if opts.spec.fmt == "none":
         return "format none"
+    if module_kind(name) == "lm_head" and tied_embeddings(ckpt.config):
+        return TIED_REASON
     reason = quant_decision(name, len(entry.shape), modules=opts.modules, skip=opts.skip)
     if reason:
         return reason
@@ -247,12 +251,20 @@ def make_plan(ckpt: Checkpoint, opts: ConvertOptions, passthrough: bool) -> dict
 def planned_outputs(ckpt: Checkpoint, name: str, opts: ConvertOptions, passthrough: bool, moe: bool) -> list[tuple[str, str, tuple]]:
     entry = ckpt.entries[name]
     if tensor_decision(ckpt, name, opts, passthrough, moe) is None:
-        return stored_specs(name, entry.shape, opts.spec)
-    return [(name, _kept_dtype(entry.dtype, passthrough), entry.shape)]
+        specs = stored_specs(name, entry.shape, opts.spec)
+        if ckpt.lossless(name, opts.spec):  # exact scales of a GGUF Q4_0 weight: fp16, which bf16 cannot hold
+            specs = [(n, "F16" if n.endswith(".weight_scale") else dtype, shape) for n, dtype, shape in specs]
+        return specs
+    return [(name, _kept_dtype(ckpt, entry.dtype, passthrough), entry.shape)]
 
 
-def _kept_dtype(dtype: str, passthrough: bool) -> str:
-    return "BF16" if dtype == "F8_E4M3" and not passthrough else dtype
+def _kept_dtype(ckpt: Checkpoint, dtype: str, passthrough: bool) -> str:
+    """The dtype a tensor that is not quantized is written in: its own, except a decoded FP8 weight and every
+    tensor of a GGUF file (F32 norms, a Q8_0 embedding...), which are written in bf16 as a Hugging Face
+    checkpoint holds them (an F32 norm would turn the bf16 model's activations to float32)."""
+    if passthrough or (dtype in DTYPES and dtype != "F8_E4M3" and ckpt.source_format != "gguf"):
+        return dtype
+    return "BF16"
 
 
 _SIZES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2}
@@ -320,15 +332,28 @@ def convert_tensor(ckpt: Checkpoint, name: str, opts: ConvertOptions, passthroug
     reason = tensor_decision(ckpt, name, opts, passthrough, moe)
     if reason is not None:
         tensor = ckpt.read(name)
-        return {name: tensor}, _kept_row(name, tensor, reason), _source_bytes(ckpt, name)
+        kept_dtype = DTYPES[_kept_dtype(ckpt, entry.dtype, passthrough)]
+        tensor = tensor if tensor.dtype == kept_dtype else tensor.to(kept_dtype)
+        return {name: tensor}, _kept_row(name, tensor, reason) | _source_fields(ckpt, name, "kept"), _source_bytes(ckpt, name)
     # the source dies with this call: each worker thread reuses one buffer for it instead of
     # faulting in fresh pages for every tensor
     tensor = ckpt.read(name, scratch=_scratch(entry.nbytes))
-    stored = quantize_weight(name, tensor, opts.spec)
+    stored = ckpt.stored_as(name, opts.spec)
+    conversion = "lossless" if stored is not None else "requantized"
+    if stored is None:
+        stored = quantize_weight(name, tensor, opts.spec)
     restored = dequantize_weight(name, stored, opts.spec.fmt, dtype=tensor.dtype)
     bytes_out = sum(v.numel() * v.element_size() for v in stored.values())
     row = tensor_stats(name, module_kind(name), tensor, restored, _source_bytes(ckpt, name), bytes_out)
-    return stored, row, _source_bytes(ckpt, name)
+    return stored, row | _source_fields(ckpt, name, conversion), _source_bytes(ckpt, name)
+
+
+def _source_fields(ckpt: Checkpoint, name: str, conversion: str) -> dict:
+    """For a GGUF source, the tensor's type there and what became of it: ``lossless`` (codes and scales
+    copied), ``requantized`` (decoded, then quantized) or ``kept`` (decoded, written unquantized in bf16)."""
+    if ckpt.source_format != "gguf":
+        return {}
+    return {"source_type": ckpt.source_type(name), "conversion": conversion}
 
 
 _thread_buffers = threading.local()

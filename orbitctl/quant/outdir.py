@@ -1,7 +1,8 @@
 """The output directory of a conversion: fresh, resumable or complete; and how it is finished.
 
 Finishing writes, in this order: the shard index, config.json with its quantization_config,
-the tokenizer and generation files, the quality report, and the manifest last of all.
+the tokenizer and generation files (copied from a checkpoint directory, or built from a GGUF
+file's metadata), the quality report, and the manifest last of all.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orbitctl.arch import tied_embeddings
 from orbitctl.errors import UserError
 from orbitctl.quant import manifest as mf
 from orbitctl.codec.qconfig import quantization_config
@@ -72,7 +74,10 @@ def finish_output(ckpt, out: Path, plan: dict, records: list[dict], opts, passth
     quantized = [t for r in records for t in r["quantized"]]
     kept = [t for r in records for t in r["kept"]]
     atomic_write_json(out / "config.json", output_config(ckpt.config, opts, kept, passthrough))
-    copy_side_files(ckpt.path, out)
+    if ckpt.side_dir is not None:
+        copy_side_files(ckpt.side_dir, out)
+    else:
+        write_gguf_side_files(ckpt, out)
     bytes_out = sum(r["bytes"] for r in records)
     report = build_report(source=str(ckpt.path), spec=opts.spec.describe(), quantized=quantized, kept=kept,
                           passthrough=passthrough, bytes_in=ckpt.source_bytes(), bytes_out=bytes_out)
@@ -103,13 +108,50 @@ def output_config(config: dict, opts, kept: list[dict], passthrough: bool) -> di
         return out
     # bitsandbytes only ever converts nn.Linear; transformers 5 holds routed experts fused, not as nn.Linear
     kinds = ("lm_head", "attention", "mlp", "shared_experts") + (() if opts.spec.fmt in ("nf4", "fp4") else ("experts",))
-    linear_kept = sorted({k["name"][: -len(".weight")] for k in kept if k["name"].endswith(".weight") and k["kind"] in kinds})
+    linear_kept = {k["name"][: -len(".weight")] for k in kept if k["name"].endswith(".weight") and k["kind"] in kinds}
+    if tied_embeddings(config):  # no lm_head tensor to keep, but the loaders must not make it a 4-bit layer
+        linear_kept.add("lm_head")
+    linear_kept = sorted(linear_kept)
     qc = quantization_config(opts.spec, linear_kept, opts.compute_dtype)
     if qc is None:
         out.pop("quantization_config", None)
     else:
         out["quantization_config"] = qc
     return out
+
+
+def write_gguf_side_files(ckpt, out: Path) -> None:
+    """A GGUF file's tokenizer and chat template as Hugging Face files (tokenizer.json, tokenizer_config.json
+    with ``chat_template``) and generation_config.json, built by transformers' GGUF tokenizer loader. A file
+    without tokenizer metadata gets only generation_config.json."""
+    import json
+    import tempfile
+
+    generation = {k: ckpt.config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in ckpt.config}
+    atomic_write_json(out / "generation_config.json", generation)
+    if "tokenizer.ggml.model" not in ckpt.reader.fields:
+        return
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(ckpt.path.parent), gguf_file=ckpt.path.name)
+    except Exception as exc:  # transformers raises ValueError/KeyError/TypeError for a tokenizer it cannot build
+        raise UserError(f"{ckpt.path}: transformers cannot build the tokenizer from the GGUF metadata "
+                        f"({type(exc).__name__}: {exc})".splitlines()[0],
+                        fix="quantize a Hugging Face checkpoint directory with its tokenizer files instead") from None
+    with tempfile.TemporaryDirectory(prefix="orbitctl-tokenizer-") as tmp:
+        tokenizer.save_pretrained(tmp)
+        config_file = Path(tmp) / "tokenizer_config.json"
+        config = json.loads(config_file.read_text())
+        if tokenizer.chat_template:  # in tokenizer_config.json itself, where every transformers version reads it
+            config["chat_template"] = tokenizer.chat_template
+        atomic_write_json(out / "tokenizer_config.json", config)
+        for name in ("tokenizer.json", "special_tokens_map.json"):
+            if (Path(tmp) / name).exists():
+                with atomic_file(out / name, fsync=False) as dest:
+                    shutil.copyfile(Path(tmp) / name, dest)
 
 
 def copy_side_files(src: Path, out: Path) -> None:

@@ -3,7 +3,9 @@
 Per tensor: relative Frobenius error ||W - Q(W)|| / ||W||, max abs error, SQNR in dB. Per
 module kind (attention, dense MLP, shared experts, routed experts) the sums are pooled, so
 the kind's error is the error of all its weights taken together. Bytes in/out and bits per
-weight count every stored tensor, metadata included. The file ``quant_report.json`` holds
+weight count every stored tensor, metadata included. For a GGUF source every tensor's row
+also says what became of it: copied exactly (a Q4_0 weight into int4 group 32), decoded and
+requantized, or decoded and kept unquantized (in bf16). The file ``quant_report.json`` holds
 no timings, so two runs over the same input write the same bytes.
 """
 
@@ -112,9 +114,25 @@ def build_report(*, source: str, spec: dict, quantized: list[dict], kept: list[d
         "bits_per_weight_model": 8.0 * bytes_out / all_params if all_params else None,
         "summary": summarize(quantized, kept),
         "tensors": [{k: v for k, v in t.items() if k not in ("err_sq", "ref_sq")} for t in quantized],
-        "kept": [{"name": t["name"], "kind": t["kind"], "reason": t["reason"], "dtype": t["dtype"]} for t in kept],
+        "kept": [{k: t[k] for k in ("name", "kind", "reason", "dtype", "source_type", "conversion") if k in t} for t in kept],
         "notes": notes(kept),
-    }
+    } | source_conversions(quantized + kept)
+
+
+CONVERSIONS = ("lossless", "requantized", "kept")
+
+
+def source_conversions(rows: list[dict]) -> dict:
+    """For a GGUF source: how many tensors of each source type were copied exactly (``lossless``), decoded and
+    requantized, or decoded and kept unquantized in bf16; empty for other sources."""
+    counts: dict[str, dict[str, int]] = {}
+    for t in rows:
+        if "conversion" in t:
+            by_type = counts.setdefault(t["conversion"], {})
+            by_type[t["source_type"]] = by_type.get(t["source_type"], 0) + 1
+    if not counts:
+        return {}
+    return {"source_conversion": {c: dict(sorted(counts[c].items())) for c in CONVERSIONS if c in counts}}
 
 
 ROUTINE_REASONS = ("not a linear weight", "stays bf16", "quant.skip", "quant.modules", "format none", "copied as is")
@@ -142,7 +160,11 @@ def compare_next_token(src: str, out: str, num_prompts: int, *, seq_len: int = 1
     from orbitctl.model.frozen_base import load_frozen_base
 
     hf_logging.disable_progress_bar()  # stderr belongs to orbitctl's own progress bar
-    original = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, device_map="cpu").eval()
+    source = Path(src)
+    # a GGUF source through transformers' own GGUF loader (dequantized), an independent decoder of the file
+    where = {"pretrained_model_name_or_path": str(source.parent), "gguf_file": source.name} if source.is_file() \
+        else {"pretrained_model_name_or_path": src}
+    original = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.bfloat16, device_map="cpu").eval()
     quantized = load_frozen_base(out).eval()
     vocab = original.config.vocab_size
     gen = torch.Generator().manual_seed(seed)

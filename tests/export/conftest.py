@@ -17,20 +17,15 @@ def int4_profile(model_cache, tmp_path_factory, write_demo_profile) -> Path:
 @pytest.fixture(scope="session")
 def policy(int4_profile):
     """The demo policy (frozen INT4 g32 base + LoRA) with seeded random, non-zero LoRA weights."""
-    import torch
-
     from orbitctl.builder import load_policy, prepare_frozen_base
     from orbitctl.data.prompts import load_prompts
+    from orbitctl.model.adapters import randomize_adapters
     from orbitctl.profile import load_profile
 
     profile = load_profile(str(int4_profile))
     base = prepare_frozen_base(profile, load_prompts(profile.data, profile.run.seed).warm_task)
     policy = load_policy(profile, base, device="cpu")
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, param in policy.model.named_parameters():
-            if "lora_" in name:  # B starts at zero; give both factors a size a short training run reaches
-                param.copy_((torch.randn(param.shape, generator=gen) * 0.15).to(param.dtype))
+    randomize_adapters(policy.model, seed=7, std=0.15)  # B starts at zero: both factors get a trained size
     return policy
 
 

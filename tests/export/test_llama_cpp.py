@@ -12,20 +12,14 @@ from pathlib import Path
 
 
 def test_llama_cpp_follows_the_train_path_with_the_adapter(gguf_export, policy, int4_profile):
-    from orbitctl.export.compare import distances, held_out_sequences, train_path_logits
-    from orbitctl.export.llamacpp import llama_cpp_logits
+    from orbitctl.export.compare import held_out_sequences
+    from orbitctl.export.llamacpp import llama_cpp_agreement
     from orbitctl.profile import load_profile
 
     out = Path(gguf_export.output)
     seqs = held_out_sequences(load_profile(str(int4_profile)), policy, 8)
-    from orbitctl.model.adapters import adapters_disabled
-
-    train = train_path_logits(policy, seqs)
-    with adapters_disabled(policy.model):
-        train_base = train_path_logits(policy, seqs)
-    floor = distances(train_base, llama_cpp_logits(out / "model.gguf", seqs))
-    with_adapter = distances(train, llama_cpp_logits(out / "model.gguf", seqs, lora_path=out / "adapter.gguf"))
-    without = distances(train, llama_cpp_logits(out / "model.gguf", seqs))
+    agreement = llama_cpp_agreement(policy, seqs, out / "model.gguf", out / "adapter.gguf")
+    floor, with_adapter, without = agreement["floor"], agreement["with_adapter"], agreement["without_adapter"]
     assert 0 < floor["logsoftmax_l1_mean"], floor  # the kernels differ: a floor of 0 would mean nothing ran
     assert with_adapter["logsoftmax_l1_mean"] <= 4 * floor["logsoftmax_l1_mean"], (with_adapter, floor)
     assert with_adapter["js_max"] <= 4 * floor["js_max"] + 1e-12, (with_adapter, floor)

@@ -102,8 +102,8 @@ def test_contradictory_settings(tmp_path):
 
 
 def test_model_needs_exactly_one_source(tmp_path):
-    (problem,) = problems_of(write(tmp_path, "name: t\nmodel: {path: /ckpt}\n"))
-    assert "set model.arch" in problem
+    (problem,) = problems_of(write(tmp_path, "name: t\nmodel: {quantized_path: /ckpt-nf4}\n"))
+    assert "set model.arch" in problem and "model.path" in problem
     (problem,) = problems_of(write(tmp_path, "name: t\nmodel: {arch: tiny-llama, config: c.json}\n"))
     assert "either model.arch or model.config" in problem
 

@@ -112,6 +112,7 @@ def _conftest():
 def tiny(tmp_path_factory):
     """(profile, policy) of the tiny demo model with random adapters, every loss term switched on."""
     from orbitctl.builder import load_policy, prepare_frozen_base
+    from orbitctl.model.adapters import randomize_adapters
     from orbitctl.data.prompts import load_prompts
     from orbitctl.profile import load_profile
 
@@ -119,10 +120,7 @@ def tiny(tmp_path_factory):
         "rl.algorithm": "ppo", "rl.kl_ref_coef": 0.05, "rollout.temperature": 0.7}))
     split = load_prompts(profile.data, profile.run.seed)
     policy = load_policy(profile, prepare_frozen_base(profile, split.warm_task))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for _, param in policy.named_trainable():
-            param.normal_(0.0, 0.05)
+    randomize_adapters(policy.model, seed=0, std=0.05)
     return profile, policy, split
 
 

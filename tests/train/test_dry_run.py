@@ -19,7 +19,7 @@ from orbitctl.cli.app import main
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOTS = ROOT / "tests" / "doctor" / "fixtures" / "snapshots"
-GPU_PROFILES = sorted(p for p in (ROOT / "profiles").glob("*.yaml") if not p.stem.startswith("tiny-"))
+GPU_PROFILES = sorted(p for p in (ROOT / "profiles").glob("*.yaml") if not p.stem.endswith(("-cpu", "-cpu-http")))
 
 
 def test_every_gpu_profile_is_shipped():

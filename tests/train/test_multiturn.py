@@ -90,6 +90,7 @@ def test_textworld_quest_is_generated_from_the_seed_and_won_by_its_walkthrough(t
 def tiny(tmp_path_factory):
     """(profile, policy) of the tiny demo model, with random adapters so every context token matters."""
     from orbitctl.builder import load_policy, prepare_frozen_base
+    from orbitctl.model.adapters import randomize_adapters
     from orbitctl.profile import load_profile
     from orbitctl.rl.envs import environment, episode_split
 
@@ -102,10 +103,7 @@ def tiny(tmp_path_factory):
     profile = load_profile(conftest.small_profile_yaml(tmp_path_factory.mktemp("multiturn"), "mt", **ENV_RUN, **fp32))
     split = episode_split(environment(profile.data.train), profile.data, profile.run.seed)
     policy = load_policy(profile, prepare_frozen_base(profile, split.warm_task))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for _, param in policy.named_trainable():
-            param.normal_(0.0, 0.05)
+    randomize_adapters(policy.model, seed=0, std=0.05)
     return profile, policy, split
 
 
