@@ -35,7 +35,9 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def _train(profile: Path, *extra: str, timeout: int = 900) -> subprocess.CompletedProcess:
+def _train(profile: Path, *extra: str, timeout: int = 1800) -> subprocess.CompletedProcess:
+    # a guard against a hang, not a speed check: the demo's 300 steps through the engine take ~10 min on an
+    # AVX-512 CPU, ~15 on an AVX2 one (fp32 compute), longer on a machine shared with other work
     return subprocess.run([*CLI, "train", str(profile), "--json", *extra], capture_output=True, text=True,
                           timeout=timeout, cwd=profile.parent)
 
