@@ -24,6 +24,7 @@ one tensor at a time.
 
 from __future__ import annotations
 
+import math
 import hashlib
 import json
 import re
@@ -86,10 +87,7 @@ class GGUFEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass
