@@ -24,9 +24,9 @@ one tensor at a time.
 
 from __future__ import annotations
 
-import math
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
