@@ -186,6 +186,24 @@ def expert_forward(expert, act_fn, x: torch.Tensor, lora: BoundExpertLoRA | None
     return _expert_rows(expert, act_fn, x, lora, index)
 
 
+def experts_by_row(module, experts: torch.Tensor, rows_of, lora: BoundExpertLoRA | None,
+                   *, restore_order: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``module``'s experts (``module.expert(e)``, ``module.act_fn``) on the rows of ``experts``, row ``i`` by
+    expert ``experts[i]``: the rows sorted by expert once (a stable argsort) and cut into one contiguous run
+    per expert hit, so a layer issues one gather, one sort and one pass over the experts hit, whatever the
+    routing. ``rows_of(order)`` gives the input rows in that order (``x[order]``, or a gather of the tokens).
+    Returns ``(out, order)``: with ``restore_order`` ``out[i]`` is row ``i``'s result, else ``out[j]`` is the
+    result of row ``order[j]``."""
+    order = torch.argsort(experts, stable=True)
+    ids, counts = torch.unique_consecutive(experts[order], return_counts=True)
+    runs = torch.split(rows_of(order), counts.tolist())
+    out = torch.cat([expert_forward(module.expert(e), module.act_fn, rows, lora, e)
+                     for e, rows in zip(ids.tolist(), runs)])
+    if not restore_order:
+        return out, order
+    return out[torch.argsort(order)], order
+
+
 def _expert_rows(expert, act_fn, x: torch.Tensor, lora: BoundExpertLoRA | None, index: int) -> torch.Tensor:
     if lora is None:
         return expert.down_proj(act_fn(expert.gate_proj(x)) * expert.up_proj(x))

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from orbitctl.errors import UserError
-from orbitctl.model.expert_lora import expert_forward
+from orbitctl.model.expert_lora import experts_by_row
 from orbitctl.plan.layout import owned_experts
 
 
@@ -121,13 +121,8 @@ class ExpertParallelExperts(nn.Module):
             if lora is not None and lora.enabled and torch.is_grad_enabled():
                 return x + 0.0 * sum(p.sum() for p in lora.parameters()).to(x.dtype)
             return x + 0.0
-        rows_all, outs = [], []
         lora = self.expert_lora.bound() if self.expert_lora is not None else None
-        for index in torch.unique(experts).tolist():
-            rows = (experts == index).nonzero().squeeze(-1)
-            outs.append(expert_forward(self.expert(index), self.act_fn, x[rows], lora, index))
-            rows_all.append(rows)
-        return torch.cat(outs)[torch.argsort(torch.cat(rows_all))]
+        return experts_by_row(self, experts, lambda order: x[order], lora)[0]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         tokens, k = top_k_index.shape

@@ -88,6 +88,41 @@ def load_frozen_base(quantized_dir: str | Path, *, device: str | torch.device = 
     return model
 
 
+def int4_kernel(name: str, fmt: str, device_type: str) -> str:
+    """``quant.kernel`` resolved where the model runs: ``fused`` or ``dequantize``. auto is fused for INT4 on the CPU
+    where this torch has the kernel; fused asked for elsewhere is refused before this (profile/support.py)."""
+    from orbitctl.model.int4_kernel import cpu_kernel_available
+
+    if fmt != "int4" or name == "dequantize" or device_type != "cpu":
+        return "dequantize"
+    if not cpu_kernel_available():
+        if name == "fused":
+            raise UserError(f"quant.kernel: fused needs torch's CPU INT4 kernel, which torch {torch.__version__} lacks",
+                            fix="set quant.kernel: auto or dequantize")
+        return "dequantize"
+    return "fused"
+
+
+def use_fused_int4(model: nn.Module, *, buffers_only: bool = False) -> int:
+    """Repack every INT4 layer of ``model`` the kernel takes for the fused kernel (``quant.kernel``); returns
+    the bytes the packs hold. ``buffers_only``: only the layers held as buffers (an expert-parallel rank's
+    experts), under ZeRO-3, which partitions the parameters after loading: a pack built from a whole
+    parameter would keep on every rank what ZeRO-3 shards. A layer of a shape the kernel does not take
+    keeps dequantizing."""
+    from orbitctl.model.int4_kernel import unsupported_shape
+    from orbitctl.model.quant_linear import QuantLinear
+
+    total = 0
+    for module in model.modules():
+        if not isinstance(module, QuantLinear) or module.fmt != "int4":
+            continue
+        if buffers_only and "weight_packed" not in module._buffers:
+            continue
+        if unsupported_shape(module.out_features, module.in_features, module.group_size) is None:
+            total += module.use_fused_kernel()
+    return total
+
+
 def _config_keeping_tied_head(path: Path):
     """The checkpoint's config, with ``lm_head`` among bitsandbytes' skipped modules when the embeddings are tied.
 
@@ -142,8 +177,11 @@ def load_frozen_base_for_profile(profile, *, device: str | torch.device = "cpu")
                         fix="run orbitctl quantize PROFILE again, or set quant.format to match")
     from orbitctl.model.cpu_dtype import torch_dtype
 
-    return load_frozen_base(path, device=device, compute_dtype=torch_dtype(profile.quant.compute_dtype, device),
-                            attention=attention_kernel(profile.memory.flash_attention))
+    model = load_frozen_base(path, device=device, compute_dtype=torch_dtype(profile.quant.compute_dtype, device),
+                             attention=attention_kernel(profile.memory.flash_attention))
+    if int4_kernel(profile.quant.kernel, fmt, torch.device(device).type) == "fused":
+        use_fused_int4(model)
+    return model
 
 
 def model_memory_bytes(model: nn.Module) -> dict[str, int]:

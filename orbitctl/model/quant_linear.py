@@ -20,6 +20,10 @@ temporaries per expert per forward, which glibc's allocator keeps once freed (th
 a training rank grew by about 0.8 GiB over one policy update of a 1 GB MoE) and which cost a page
 fault per 4 KiB each time (the in-place path is about 4x faster). The workspace is only ever read
 by the matmul that follows; autograd never saves it (the backward dequantizes again).
+
+``quant.kernel: fused`` (:mod:`orbitctl.model.int4_kernel`): an INT4 layer given a kernel pack
+(:meth:`QuantLinear.use_fused_kernel`) runs its forward through PyTorch's weight-only INT4 kernel, in
+every path (rollout, train, reference), and only the backward dequantizes.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ import torch
 from torch import nn
 
 from orbitctl.codec.formats import dequantize_fp8_blocks, dequantize_int4, dequantize_int4_into
-from orbitctl.model.expert_lora import expert_forward
+from orbitctl.model.expert_lora import experts_by_row
+from orbitctl.model.int4_kernel import Int4Pack
 
 _WORKSPACE = threading.local()
 
@@ -101,6 +106,16 @@ class QuantLinear(nn.Module):
             hold("bias", torch.zeros(out_features, dtype=torch.bfloat16, device=device))
         else:
             self.bias = None
+        self.kernel_pack: Int4Pack | None = None
+        """The weight in the fused kernel's layout (``quant.kernel: fused``): a plain attribute, so neither the
+        state dict, nor ZeRO, nor ``.to()`` sees it; None: dequantize-then-matmul."""
+
+    def use_fused_kernel(self) -> int:
+        """Repack this INT4 layer's loaded weight for the fused kernel; returns the bytes the pack holds."""
+        if self.fmt != "int4":
+            raise ValueError("the fused kernel takes INT4 weights")
+        self.kernel_pack = Int4Pack.of(self.weight_packed, self.weight_scale)
+        return self.kernel_pack.nbytes()
 
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The dense [out, in] weight this layer stands for (a fresh tensor)."""
@@ -119,9 +134,13 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
+        fused = self.kernel_pack is not None and _plain_cpu(x)
         if not (torch.is_grad_enabled() and x.requires_grad):
+            if fused:
+                y = self.kernel_pack.matmul(x)
+                return y + bias if bias is not None else y
             return nn.functional.linear(x, self.matmul_weight(x.dtype), bias)
-        return _DequantLinear.apply(x, self, bias)
+        return (_FusedLinear if fused else _DequantLinear).apply(x, self, bias)
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.fmt == "int4" else ", block=128x128"
@@ -143,6 +162,16 @@ class _DequantLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         w = ctx.layer.matmul_weight(grad_out.dtype)
         return grad_out @ w, None, None
+
+
+class _FusedLinear(_DequantLinear):
+    """y = x W^T + b through the fused INT4 kernel; the backward is :class:`_DequantLinear`'s."""
+
+    @staticmethod
+    def forward(ctx, x, layer, bias):
+        ctx.layer = layer
+        y = layer.kernel_pack.matmul(x)
+        return y + bias if bias is not None else y
 
 
 class ExpertMLP(nn.Module):
@@ -171,15 +200,15 @@ class QuantExperts(nn.Module):
         return getattr(self, str(index))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        final = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts).permute(2, 1, 0)
-            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        """Every (token, slot) routed to its expert in one pass: the slots sorted by expert, each expert run on its
+        contiguous rows (:func:`experts_by_row`), the weighted results added back to their tokens at once."""
+        k = top_k_index.shape[-1]
         lora = self.expert_lora.bound() if self.expert_lora is not None else None
-        for idx in hit.flatten().tolist():
-            top_k_pos, token_idx = torch.where(mask[idx])
-            expert = self.expert(idx)
-            x = hidden_states[token_idx]
-            h = expert_forward(expert, self.act_fn, x, lora, idx) * top_k_weights[token_idx, top_k_pos, None]
-            final.index_add_(0, token_idx, h.to(final.dtype))
-        return final
+        with torch.no_grad():
+            flat = top_k_index.reshape(-1)
+        out, order = experts_by_row(self, flat, lambda order: hidden_states[torch.div(order, k, rounding_mode="floor")],
+                                    lora, restore_order=False)
+        token_of = torch.div(order, k, rounding_mode="floor")
+        weights = top_k_weights.reshape(-1)[order, None]
+        final = torch.zeros_like(hidden_states)
+        return final.index_add_(0, token_of, (out * weights).to(final.dtype))

@@ -140,11 +140,16 @@ class QuantSection(Section):
     """Which linear layers are quantized: every linear layer, or only the routed experts (Kimi-K2-Thinking's layout)."""
     skip: list[str] = Field(default_factory=lambda: ["lm_head"])
     """Module-name substrings kept in bf16 in addition to embeddings, norms and router gates."""
+    kernel: Literal["auto", "fused", "dequantize"] = "auto"
+    """INT4 matmuls: fused runs PyTorch's weight-only INT4 kernel on the packed codes (bf16 activations, no dense weight written; the CPU), dequantize writes each weight as a dense matrix first; auto = fused on the CPU, dequantize on a GPU. Every path (rollout, train, reference) computes with the same kernel; the backward always dequantizes."""
 
     @model_validator(mode="after")
     def _group(self) -> "QuantSection":
         if self.format == "int4" and self.group_size not in (32, 64, 128):
             raise ValueError("quant.group_size: int4 supports 32, 64 or 128")
+        if self.kernel == "fused" and self.format != "int4":
+            raise ValueError(f"quant.kernel: fused runs INT4 weights and quant.format is {self.format} "
+                             "(set quant.kernel: auto, or quant.format: int4)")
         if self.format in ("nf4", "fp4") and self.group_size not in (32, 64, 128, 256, 512, 1024, 2048, 4096):
             raise ValueError("quant.group_size: bitsandbytes block size must be a power of two from 32 to 4096 (default 64)")
         return self

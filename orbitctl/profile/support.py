@@ -107,6 +107,9 @@ _RULES: tuple[_Rule, ...] = (
     _Rule("memory.prefetch_layers", (TRAIN,), lambda v, p: v != 1 and p.memory.zero_stage != 3,
           "sets how many layers ZeRO-3 gathers ahead, and with memory.zero_stage below 3 no parameter is gathered",
           "set memory.zero_stage: 3, or memory.prefetch_layers: 1 (the default)"),
+    _Rule("quant.kernel", _MODEL_RUNNING, lambda v, p: v == "fused" and p.hardware.gpu != "cpu",
+          "is the CPU's weight-only INT4 kernel, and this profile runs on a GPU, where the INT4 layers dequantize",
+          "set quant.kernel: auto (fused on the CPU, dequantize on a GPU) or dequantize"),
     _Rule("model.dtype", (TRAIN,),
           lambda v, p: "dtype" in p.model.model_fields_set and p.quant.compute_dtype != "auto"
           and v != p.quant.compute_dtype,

@@ -279,32 +279,68 @@ def process_tag(rank: int) -> str:
 
 
 # -- rollout --------------------------------------------------------------------------------------
-def collect_http(engine: HttpEngine, model: str, policy, items, reward_fn, *, group_size: int, max_new_tokens: int,
-                 temperature: float, top_p: float, seed: int, positions):
-    """One step's experience for ``items``, sampled by the engine: one request per prompt (``n`` = the group).
+def keyed_runs(positions, group_size: int, max_prompts: int) -> list[tuple[int, int]]:
+    """``(first row, prompts)`` for each request that samples the prompts at ``positions`` (row i at position
+    ``positions[i]``), in row order: runs of consecutive positions that one seed can key.
 
-    The request's seed is :func:`~orbitctl.model.draws.offset_seed` of the run's seed at the prompt's keys
-    (position x group size), so an engine drawing completion j from key j of the seed (``orbitctl serve``)
-    samples the tokens the shared engine would; another engine takes it as its own seed.
+    A run of R prompts from position p0 is keyed by ``offset_seed(seed, p0 * G, R * G)``, which exists when
+    ``p0 * G`` is a multiple of a power of two of at least ``R * G`` (any R when p0 is 0). Each run takes
+    as many prompts as that, the positions' consecutiveness and ``max_prompts`` allow (a buddy allocator's
+    aligned blocks); a prompt that cannot be keyed even alone is a run of its own (it gets its own seed)."""
+    runs: list[tuple[int, int]] = []
+    row, rows = 0, len(positions)
+    while row < rows:
+        p0 = int(positions[row])
+        offset = p0 * group_size
+        aligned = offset & -offset  # the largest power of two dividing the offset
+        fits = rows if offset == 0 else aligned // group_size
+        count = 1
+        while (row + count < rows and count < min(fits, max_prompts)
+               and int(positions[row + count]) == p0 + count):
+            count += 1
+        runs.append((row, count))
+        row += count
+    return runs
+
+
+def request_seed(seed: int, position: int, group_size: int, prompts: int) -> int:
+    """The seed of a request for ``prompts`` prompts from ``position`` on, as a signed 64-bit integer (what
+    engines take; the keyed draws read its 64 bits either way): keyed as in :func:`keyed_runs`, else (one
+    prompt that cannot be keyed) a seed of the prompt's own."""
+    from orbitctl.model.draws import offset_seed, splitmix64
+
+    keyed = offset_seed(seed, position * group_size, prompts * group_size)
+    if keyed is None:
+        if prompts != 1:
+            raise ValueError(f"{prompts} prompts from position {position} cannot share a keyed seed")
+        keyed = splitmix64(seed ^ splitmix64(position))
+    return keyed - (1 << 64) if keyed >= 1 << 63 else keyed
+
+
+def collect_http(engine: HttpEngine, model: str, policy, items, reward_fn, *, group_size: int, batch_size: int,
+                 max_new_tokens: int, temperature: float, top_p: float, seed: int, positions):
+    """One step's experience for ``items``, sampled by the engine in as few requests as the draw keys allow.
+
+    The prompts go out in the runs of :func:`keyed_runs` (at most ``batch_size`` sequences, ``batch_size //
+    group_size`` prompts, per request; ``n`` = the group). A run's seed is
+    :func:`~orbitctl.model.draws.offset_seed` of the run's seed at its first prompt's keys (position x group
+    size), so an engine drawing completion j of prompt i from key ``i * n + j`` of the seed (``orbitctl
+    serve``) samples the tokens the shared engine would; another engine takes it as its own seed.
     """
     import torch
 
-    from orbitctl.model.draws import offset_seed, splitmix64
     from orbitctl.rl.rollout import _pad_left, rewarded
 
     start = time.perf_counter()
     expanded = [it for it in items for _ in range(group_size)]
     ids, mask = policy.encode_prompts([it.prompt for it in items])
     prompt_parts, completions = [], []
-    for row, position in enumerate(positions):
-        prompt = ids[row][mask[row].bool()].tolist()
-        keyed = offset_seed(seed, int(position) * group_size, group_size)
-        request_seed = keyed if keyed is not None else splitmix64(seed ^ splitmix64(int(position)))
-        # as a signed 64-bit integer (what engines take); the keyed draws read its 64 bits either way
-        signed = request_seed - (1 << 64) if request_seed >= 1 << 63 else request_seed
-        completions += engine.sample(model, [prompt], n=group_size, max_tokens=max_new_tokens,
-                                     temperature=temperature, top_p=top_p, seed=signed)
-        prompt_parts += [(ids[row:row + 1], mask[row:row + 1])] * group_size
+    for first, count in keyed_runs(positions, group_size, max(1, batch_size // group_size)):
+        rows = range(first, first + count)
+        prompts = [ids[row][mask[row].bool()].tolist() for row in rows]
+        completions += engine.sample(model, prompts, n=group_size, max_tokens=max_new_tokens, temperature=temperature,
+                                     top_p=top_p, seed=request_seed(seed, int(positions[first]), group_size, count))
+        prompt_parts += [(ids[row:row + 1], mask[row:row + 1]) for row in rows for _ in range(group_size)]
     width = max(1, max(len(c.ids) for c in completions))
     pad = policy.pad_id
     completion_ids = torch.full((len(completions), width), pad, dtype=torch.long)

@@ -287,7 +287,7 @@ class _HttpRollout:
         ro, rl = self.profile.rollout, self.profile.rl
         model = self.sync.publish(step)
         return collect_http(self.engine, model, self.policy, items, reward_fn, group_size=rl.group_size,
-                            max_new_tokens=ro.max_new_tokens,
+                            batch_size=self.profile.rollout_batch_size, max_new_tokens=ro.max_new_tokens,
                             temperature=ro.temperature, top_p=ro.top_p, seed=self.profile.run.seed,
                             positions=positions)
 

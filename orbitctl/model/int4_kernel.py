@@ -1,0 +1,107 @@
+"""The fused INT4 weight-only matmul (``quant.kernel``): y = x W^T without a dense copy of W.
+
+    pack = Int4Pack.of(layer.weight_packed, layer.weight_scale)   # once, at load
+    y = pack.matmul(x)                                            # x [..., in] -> [..., out] in x's dtype
+
+Dequantize-then-matmul (:meth:`QuantLinear.matmul_weight`) writes every weight as a dense matrix
+before its matmul: at decode, a few rows of activations against the whole matrix, the dequantization
+costs far more than the matmul (a 4096 x 768 INT4 weight: ~17 ms dequantized in float32 against
+~0.5 ms fused for one row on an AVX2 EPYC). PyTorch's weight-only INT4 kernel for the CPU
+(``aten._weight_int4pack_mm_for_cpu``) reads the 4-bit codes directly; its codes live in the
+kernel's own tiled layout, repacked once from the checkpoint's (``aten._convert_weight_to_int4pack_for_cpu``).
+
+What the kernel computes, and so what every path of a fused layer computes: the activations
+rounded to bf16, W = (code - 8) x scale + 0 exactly (the checkpoint's symmetric codes, zero
+point 0), accumulated in float32, the result rounded to bf16 and cast back to the activations'
+dtype. The kernel takes bf16 scales: a layer whose stored scales are not bf16 (a GGUF Q4_0 weight's
+fp16 scales) is split into two bf16 terms, scale = hi + lo exactly, and runs the kernel twice. Each
+output row depends only on its own input row (bit for bit, whatever the number of rows), so the
+infer path's one-token decode and the train path's full-sequence forward compute the same function.
+
+Only the forward is fused: the gradient of the input uses the dequantized weight (the reference
+path), the weight being frozen. The float32 and float16 variants of the CPU kernel are scalar
+loops (slower than dequantizing); only bf16 activations are fast, which is why the kernel takes
+them whatever the compute dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KERNEL_GROUPS = (32, 64, 128, 256)
+"""Group sizes the CPU kernel takes."""
+
+
+def cpu_kernel_available() -> bool:
+    """Whether this torch has the CPU weight-only INT4 kernel and its repacking op."""
+    ops = torch.ops.aten
+    return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
+
+
+def unsupported_shape(out_features: int, in_features: int, group_size: int) -> str | None:
+    """Why the CPU kernel cannot take an [out, in] weight in groups of ``group_size`` (None: it can)."""
+    if group_size not in KERNEL_GROUPS:
+        return f"group size {group_size} (the kernel takes {', '.join(map(str, KERNEL_GROUPS))})"
+    if out_features % 16:
+        return f"{out_features} output features (the kernel packs rows in blocks of 16)"
+    if in_features % group_size or in_features % 2:
+        return f"{in_features} input features in groups of {group_size}"
+    return None
+
+
+def _scale_terms(scale: torch.Tensor) -> list[torch.Tensor]:
+    """bf16 terms whose float32 sum is exactly ``scale`` (one term for bf16 scales, two for fp16)."""
+    exact = scale.to(torch.float32)
+    hi = exact.to(torch.bfloat16)
+    lo = (exact - hi.to(torch.float32)).to(torch.bfloat16)
+    if not torch.equal(hi.to(torch.float32) + lo.to(torch.float32), exact):
+        raise ValueError("INT4 scales that two bf16 terms do not represent exactly (float32 scales)")
+    return [hi] if not lo.any() else [hi, lo]
+
+
+@dataclass
+class Int4Pack:
+    """One INT4 weight in the fused kernel's layout: codes [out, in/2] uint8 and, per scale term, the
+    kernel's [in/group, out, 2] bf16 (scale, zero point 0) table."""
+
+    packed: torch.Tensor
+    scales_and_zeros: list[torch.Tensor]
+    group_size: int
+    in_features: int
+    out_features: int
+
+    @classmethod
+    def of(cls, weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> "Int4Pack":
+        """Repack a checkpoint INT4 weight (int32 words [out, in/8], scales [out, in/group])."""
+        from orbitctl.codec.formats import unpack_int4
+
+        out_features, words = weight_packed.shape
+        in_features = words * 8
+        group_size = in_features // weight_scale.shape[-1]
+        why = unsupported_shape(out_features, in_features, group_size)
+        if why is not None:
+            raise ValueError(f"the fused INT4 kernel cannot take this weight: {why}")
+        with torch.no_grad():
+            codes = unpack_int4(weight_packed, in_features).add_(8)  # unsigned 0..15, as the kernel reads them
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 2)
+            del codes
+            tables = []
+            for term in _scale_terms(weight_scale):
+                table = torch.zeros(in_features // group_size, out_features, 2, dtype=torch.bfloat16)
+                table[..., 0] = term.t()
+                tables.append(table)
+        return cls(packed, tables, group_size, in_features, out_features)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, *self.scales_and_zeros))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T for x [..., in]: the result in x's dtype (bf16-rounded, see the module's docstring)."""
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+        out = kernel(rows, self.packed, self.group_size, self.scales_and_zeros[0])
+        if len(self.scales_and_zeros) > 1:
+            out = out.to(torch.float32) + kernel(rows, self.packed, self.group_size, self.scales_and_zeros[1])
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
