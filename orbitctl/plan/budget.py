@@ -45,6 +45,26 @@ VLLM_PREFILL_TOKENS = 8192
 """A separate engine's chunked-prefill budget (max_num_batched_tokens)."""
 
 
+INT4_KERNEL_PACK_BITS = 4
+"""Per weight in the fused INT4 kernel's own layout (orbitctl.model.int4_kernel.Int4Pack), plus a bf16 (scale, zero)
+pair per group."""
+
+
+def kernel_pack_bytes(storage: BaseStorage, layout: Layout, group_size: int) -> float:
+    """Bytes per rank of the fused INT4 kernel's copies (``quant.kernel``: a CPU rank repacks every INT4 weight it
+    holds whole, next to the checkpoint's form the backward dequantizes): all of them, or under ZeRO-3, which
+    partitions the parameters, only the expert-parallel experts (buffers outside ZeRO)."""
+    stored_per_weight = (4 + 16 / group_size) / 8  # the checkpoint's int32 words and bf16 scales
+    experts = storage.expert_sharded_bytes / stored_per_weight
+    dense = storage.quantized_params - experts
+    held = 0.0 if layout.sharded else dense
+    if layout.expert_parallel_on:
+        held += experts * layout.expert_share
+    elif not layout.sharded:
+        held += experts
+    return held * (INT4_KERNEL_PACK_BITS / 8 + 4 / group_size)
+
+
 @dataclass(frozen=True)
 class Inputs:
     """What one evaluation needs, computed once per profile and reused by the max-batch search."""
@@ -150,6 +170,8 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
     largest = storage.largest_dequant_bytes // 2  # elements of the largest quantized matrix
     fixed["dequant_workspace"] = largest * (INT4_WORKSPACE_BYTES + (cdt if cdt != 4 else 0)) if workspace else 0
     dequant = 0.0 if workspace else float(storage.largest_dequant_bytes)
+    fused = workspace and profile.quant.kernel != "dequantize"
+    fixed["int4_kernel_pack"] = int(kernel_pack_bytes(storage, layout, profile.quant.group_size)) if fused else 0
     if ad.targets_routed_experts:
         notes.append("adapters on routed experts: PEFT builds every expert's bf16 weight per MoE layer "
                      f"({storage.layer_expert_bf16_bytes / GiB:.1f} GiB); prefer adapter.targets: attention+shared")

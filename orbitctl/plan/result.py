@@ -22,6 +22,8 @@ COMPONENTS = {
     "dequant_transient": "bf16 copy of the weight being dequantized",
     "dequant_workspace": "CPU rank, INT4: the dequantization workspace every matmul reuses (int32 codes, fp32 values, "
                          "result), sized by the largest quantized matrix",
+    "int4_kernel_pack": "CPU rank, INT4 with quant.kernel fused: the kernel's own copy of every INT4 weight held "
+                        "whole (4 bits and a bf16 scale and zero per group)",
     "all_to_all_buffers": "expert-parallel dispatch/combine buffers of the MoE layer in flight (send + receive)",
     "adapter_weights": "trainable adapter weights",
     "adapter_grads": "adapter gradients",

@@ -356,15 +356,18 @@ def collect_http(engine: HttpEngine, model: str, policy, items, reward_fn, *, gr
 
 
 # -- a started engine -----------------------------------------------------------------------------
-def engine_endpoint(engine_url: str | None, profile_file: Path, run_root: Path, rank: int, closing) -> tuple[str, str | None]:
+def engine_endpoint(engine_url: str | None, profile_file: Path, run_root: Path, rank: int, closing, *,
+                    max_batch: int = 1024) -> tuple[str, str | None]:
     """(URL, API key) of this run's engine: ``engine_url`` with ``ORBITCTL_API_KEY`` from the environment, or
     (rank 0, unset URL) an ``orbitctl serve`` started on loopback and entered on ``closing`` (an ExitStack),
-    with its own key and ``RUN/engine/`` as its adapter root. Other ranks get the URL and key by broadcast."""
+    with its own key, ``RUN/engine/`` as its adapter root and ``max_batch`` completions allowed per request.
+    Other ranks get the URL and key by broadcast."""
     import torch.distributed as dist
 
     box = [(engine_url, os.environ.get(API_KEY_ENV) or None)]
     if engine_url is None and rank == 0:
-        started = closing.enter_context(ServeProcess(profile_file, run_root / "engine.log", run_root / "engine"))
+        started = closing.enter_context(ServeProcess(profile_file, run_root / "engine.log", run_root / "engine",
+                                                     max_batch=max_batch))
         box = [(started.url, started.api_key)]
     dist.broadcast_object_list(box, src=0)
     return box[0]
@@ -378,9 +381,9 @@ class ServeProcess:
     their files."""
 
     def __init__(self, profile_file: Path, log_file: Path, adapter_root: Path,
-                 start_timeout_s: float = START_TIMEOUT_S) -> None:
+                 start_timeout_s: float = START_TIMEOUT_S, max_batch: int = 1024) -> None:
         self.profile_file, self.log_file, self.start_timeout_s = profile_file, log_file, start_timeout_s
-        self.adapter_root = adapter_root
+        self.adapter_root, self.max_batch = adapter_root, max_batch
         self.process: subprocess.Popen | None = None
         self.url = ""
         self.api_key = secrets.token_urlsafe(32)
@@ -396,7 +399,7 @@ class ServeProcess:
         env["ORBITCTL_SERVE_PARENT"] = str(os.getpid())  # the server ends with this process, even when it is killed
         command = [sys.executable, "-c", "import sys; from orbitctl.cli.app import main; sys.exit(main())", "serve",
                    str(self.profile_file), "--host", "127.0.0.1", "--port", str(port), "--allow-adapter-loading",
-                   "--adapter-root", str(self.adapter_root.resolve())]
+                   "--adapter-root", str(self.adapter_root.resolve()), "--max-batch", str(self.max_batch)]
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,

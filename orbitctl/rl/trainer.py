@@ -298,7 +298,9 @@ def _http_rollout(profile, run: RunDir, policy, rank: int, closing, emit) -> _Ht
     from orbitctl.rl.engine_http import AdapterSync, HttpEngine, engine_endpoint, process_tag
 
     ro = profile.rollout
-    url, api_key = engine_endpoint(ro.engine_url, run.profile, run.root, rank, closing)
+    # a request holds up to a rollout batch (of whole groups): what the engine train starts accepts
+    url, api_key = engine_endpoint(ro.engine_url, run.profile, run.root, rank, closing,
+                                   max_batch=max(1024, profile.rollout_batch_size, profile.rl.group_size))
     engine = HttpEngine(url, ro.engine_api, vocab_size=int(policy.model.config.vocab_size), timeout_s=ro.engine_timeout_s,
                         retries=ro.engine_retries, api_key=api_key)
     emit("engine", {"url": url, "api": ro.engine_api, "started": ro.engine_url is None})

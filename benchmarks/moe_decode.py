@@ -1,0 +1,147 @@
+"""Decode speed of a generated INT4 MoE: the fused INT4 kernel against dequantize-then-matmul, and against
+another checkout of the code (the code before a change), each run in a fresh process.
+
+    .venv/bin/python benchmarks/moe_decode.py                                  # this checkout, both kernels
+    .venv/bin/python benchmarks/moe_decode.py --baseline /tmp/orbitctl-before  # and that checkout's code
+    .venv/bin/python benchmarks/moe_decode.py --experts 64 --top-k 8 --reps 5 --json
+
+The model is written once by :func:`orbitctl.model.synthetic.write_int4_moe` (a DeepSeek-V3-type MoE:
+MLA attention, a dense first layer, ``--experts`` routed INT4 experts of which each token uses
+``--top-k``, one shared expert; seeded random weights), and loaded by ``load_frozen_base`` in the
+compute dtype ``auto`` gives on this CPU. Each side decodes ``--batch`` sequences of ``--prompt``
+random prompt tokens for ``--new`` tokens with transformers' dynamic KV cache (greedy, no EOS: every
+completion is full length), after one warm-up decode in the same process. Reported: completion tokens
+per second, median and range over ``--reps`` rounds, the sides alternating within a round, and whether
+each side's greedy tokens equal the dequantizing side's (the fused kernel rounds activations to bf16,
+so a few tokens may differ on a random model whose logits are nearly tied).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def decode(args) -> None:
+    """The child: load the model with ``args.kernel`` and print one JSON line of its measured decode."""
+    import torch
+
+    from orbitctl.model.cpu_dtype import torch_dtype
+    from orbitctl.model.frozen_base import load_frozen_base
+
+    torch.set_num_threads(args.threads)
+    model = load_frozen_base(args.model, compute_dtype=torch_dtype("auto", "cpu"))
+    packs = 0
+    if args.kernel == "fused":
+        from orbitctl.model.frozen_base import use_fused_int4
+
+        packs = use_fused_int4(model)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
+
+    def run() -> tuple[float, list[list[int]]]:
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+            tokens = []
+            for _ in range(args.new):
+                nxt = logits.argmax(-1, keepdim=True)
+                tokens.append(nxt)
+                logits = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1]
+        return time.perf_counter() - start, torch.cat(tokens, 1).tolist()
+
+    run()  # warm-up: oneDNN kernels, the allocator
+    seconds, tokens = run()
+    print(json.dumps({"tokens_per_s": args.batch * args.new / seconds, "seconds": seconds, "tokens": tokens,
+                      "pack_bytes": packs, "dtype": str(next(model.parameters()).dtype)}))
+
+
+def child(tree: Path, model: Path, kernel: str, args) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", str(model), "--kernel", kernel,
+           "--batch", str(args.batch), "--prompt", str(args.prompt), "--new", str(args.new),
+           "--threads", str(args.threads)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(tree))
+    if done.returncode:
+        raise SystemExit(f"{kernel} in {tree} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--expert-width", type=int, default=256)
+    parser.add_argument("--moe-layers", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--prompt", type=int, default=16)
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--baseline", type=Path, help="another checkout of orbitctl to measure beside this one")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "orbitctl-bench")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--kernel", default="dequantize", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return decode(args)
+
+    sys.path.insert(0, str(ROOT))
+    from orbitctl.model.synthetic import write_int4_moe
+
+    name = f"moe-e{args.experts}-k{args.top_k}-h{args.hidden}-w{args.expert_width}-l{args.moe_layers}"
+    model = args.work / name
+    if not (model / "config.json").exists():
+        write_int4_moe(model, hidden=args.hidden, experts=args.experts, expert_width=args.expert_width,
+                       moe_layers=args.moe_layers, top_k=args.top_k)
+    sides = [("this checkout, dequantize", ROOT, "dequantize"), ("this checkout, fused", ROOT, "fused")]
+    if args.baseline is not None:
+        sides.insert(0, (f"{args.baseline} (dequantize)", args.baseline.resolve(), "dequantize"))
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in sides}
+    for rep in range(args.reps):
+        for label, tree, kernel in sides:
+            runs[label].append(child(tree, model, kernel, args))
+            print(f"round {rep + 1}: {label}: {runs[label][-1]['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+    reference = runs["this checkout, dequantize"][0]["tokens"]
+    rows = []
+    for label, _, _ in sides:
+        rates = [r["tokens_per_s"] for r in runs[label]]
+        tokens = runs[label][0]["tokens"]
+        same = sum(a == b for ra, rb in zip(tokens, reference) for a, b in zip(ra, rb))
+        rows.append({"side": label, "median_tokens_per_s": statistics.median(rates), "min": min(rates),
+                     "max": max(rates), "greedy_tokens_equal": f"{same}/{sum(len(r) for r in reference)}",
+                     "dtype": runs[label][0]["dtype"], "pack_bytes": runs[label][0]["pack_bytes"]})
+    base = rows[0]["median_tokens_per_s"]
+    for row in rows:
+        row["speedup"] = row["median_tokens_per_s"] / base
+    setting = {"experts": args.experts, "top_k": args.top_k, "hidden": args.hidden, "expert_width": args.expert_width,
+               "moe_layers": args.moe_layers, "batch": args.batch, "prompt": args.prompt, "new": args.new,
+               "reps": args.reps, "threads": args.threads}
+    if args.json:
+        print(json.dumps({"setting": setting, "rows": rows}, indent=1))
+        return
+    print(f"INT4 MoE decode: {setting}")
+    print(f"{'side':<48} {'tokens/s median (range)':>26} {'x':>6} {'greedy = dequantize':>20}")
+    for row in rows:
+        spread = f"{row['median_tokens_per_s']:.1f} ({row['min']:.1f}-{row['max']:.1f})"
+        print(f"{row['side']:<48} {spread:>26} {row['speedup']:>6.2f} {row['greedy_tokens_equal']:>20}")
+
+
+if __name__ == "__main__":
+    main()

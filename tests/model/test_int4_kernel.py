@@ -1,0 +1,129 @@
+"""The fused INT4 kernel (quant.kernel): what it computes, that every path computes the same, what the plan counts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from orbitctl.codec.formats import dequantize_int4, pack_int4, quantize_int4
+from orbitctl.model.int4_kernel import Int4Pack, cpu_kernel_available, unsupported_shape
+from orbitctl.model.quant_linear import QuantLinear
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="this torch has no CPU INT4 kernel")
+BF16_HALF_ULP = 2.0 ** -8
+"""bf16 keeps 8 significant bits (ulp 2^-7 of the binade's base): rounding moves a value by at most 2^-8 of it."""
+
+
+def _weight(out_f: int, in_f: int, seed: int = 0, scale_dtype=torch.bfloat16):
+    w = torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed)) * 0.05
+    codes, scale = quantize_int4(w, 32)
+    if scale_dtype == torch.float16:  # scales with more bits than bf16 keeps, as a GGUF Q4_0 weight's
+        return pack_int4(codes), (scale.float() * 1.01).to(torch.float16)
+    return pack_int4(codes), scale
+
+
+def _bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """|fused - (bf16(x) W^T in float64)| allowed per element: the result's rounding to bf16, and float32
+    accumulation over K terms (K eps_32 sum |x||w|)."""
+    xb = x.to(torch.bfloat16).double()
+    exact = xb @ dense.double().t()
+    magnitude = xb.abs() @ dense.double().abs().t()
+    return exact, BF16_HALF_ULP * exact.abs() * (1 + 2 ** -7) + x.shape[-1] * 2.0 ** -24 * magnitude
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16])
+def test_fused_matmul_is_the_bf16_rounded_product_of_bf16_activations(scale_dtype):
+    packed, scale = _weight(96, 256, scale_dtype=scale_dtype)
+    pack = Int4Pack.of(packed, scale)
+    assert len(pack.scales_and_zeros) == (1 if scale_dtype == torch.bfloat16 else 2)  # fp16 scales: hi + lo
+    dense = dequantize_int4(packed, scale, 256, torch.float32)  # exact: 4-bit codes times the stored scales
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(1))
+    y = pack.matmul(x)
+    assert y.dtype == torch.float32 and y.shape == (7, 96)
+    exact, bound = _bound(x, dense)
+    assert bool(((y.double() - exact).abs() <= bound).all())
+    # and it is not the float32 reference: the activations were rounded to bf16
+    assert not torch.equal(y, x @ dense.t())
+
+
+def test_each_row_is_bit_for_bit_the_same_whatever_the_rows_beside_it():
+    """What lets the one-token decode (infer path) and the full-sequence forward (train path) agree at the floor."""
+    pack = Int4Pack.of(*_weight(64, 128))
+    x = torch.randn(300, 128, generator=torch.Generator().manual_seed(2))
+    whole = pack.matmul(x)
+    for start, rows in ((0, 1), (5, 3), (17, 16), (40, 64), (100, 200)):
+        assert torch.equal(pack.matmul(x[start:start + rows]), whole[start:start + rows])
+
+
+def test_the_layer_runs_the_kernel_forward_and_the_reference_backward():
+    packed, scale = _weight(96, 256)
+    layer = QuantLinear(256, 96, "int4", group_size=32)
+    layer.weight_packed.data, layer.weight_scale.data = packed, scale
+    x = torch.randn(2, 5, 256, generator=torch.Generator().manual_seed(3))
+    reference = layer(x)  # no pack yet: dequantize-then-matmul
+    assert layer.use_fused_kernel() == layer.kernel_pack.nbytes() == 96 * 256 // 2 + (256 // 32) * 96 * 2 * 2
+    with torch.no_grad():
+        fused = layer(x)
+    assert torch.equal(fused, layer.kernel_pack.matmul(x))
+    assert not torch.equal(fused, reference)
+    x.requires_grad_(True)
+    out = layer(x)
+    assert torch.equal(out, fused)  # the autograd path computes the same forward
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    assert torch.equal(x.grad, grad @ layer.dequantized_weight(torch.float32))
+    assert "kernel_pack" not in "".join(layer.state_dict())  # neither saved nor seen by ZeRO
+
+
+def test_shapes_the_kernel_does_not_take_keep_dequantizing(int4_moe):
+    from orbitctl.model.frozen_base import load_frozen_base, use_fused_int4
+
+    assert unsupported_shape(100, 64, 32) and unsupported_shape(96, 48, 32) and unsupported_shape(96, 64, 16)
+    assert unsupported_shape(96, 64, 32) is None
+    model = load_frozen_base(int4_moe, compute_dtype=torch.float32)
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    odd = layers[0]
+    odd.out_features = 100  # as if its rows were not a multiple of 16
+    held = use_fused_int4(model)
+    assert odd.kernel_pack is None and all(m.kernel_pack is not None for m in layers[1:])
+    assert held == sum(m.kernel_pack.nbytes() for m in layers[1:])
+
+
+def test_the_plan_counts_the_packs_a_rank_builds(int4_moe):
+    """plan's int4_kernel_pack for one CPU rank holding every expert = the bytes use_fused_int4 built; none with
+    quant.kernel: dequantize; half of them per rank with expert parallelism 2; none under ZeRO-3 without it."""
+    from orbitctl.model.frozen_base import load_frozen_base, use_fused_int4
+    from orbitctl.plan import plan_profile
+    from orbitctl.profile import load_profile
+
+    def planned(*sets: str) -> int:  # the tiny MoE profile over the fixture's architecture
+        profile = load_profile(ROOT / "profiles" / "tiny-moe-cpu.yaml",
+                               ["model.arch=null", f"model.config={int4_moe / 'config.json'}", *sets])
+        return plan_profile(profile, with_advice=False).phases["rollout"]["int4_kernel_pack"]
+
+    built = use_fused_int4(load_frozen_base(int4_moe, compute_dtype=torch.float32))
+    one_rank = planned("memory.expert_parallel=1", "hardware.gpus_per_node=1")
+    assert built > 0 and one_rank == built
+    assert planned("memory.expert_parallel=1", "hardware.gpus_per_node=1", "quant.kernel=dequantize") == 0
+    assert planned() == built // 2
+    assert planned("memory.expert_parallel=1", "memory.zero_stage=3") == 0
+
+
+def test_kernel_fused_with_a_format_it_does_not_run_exits_2(tmp_path, one_error_line):
+    done = subprocess.run([sys.executable, "-m", "orbitctl.cli.app", "plan", str(ROOT / "profiles" / "tiny-cpu.yaml"),
+                           "--set", "quant.kernel=fused"], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 2
+    one_error_line(done.stderr, "quant.kernel", "nf4")
+
+
+def test_kernel_fused_on_a_gpu_profile_is_refused_by_train(tmp_path, one_error_line):
+    done = subprocess.run([sys.executable, "-m", "orbitctl.cli.app", "train",
+                           str(ROOT / "profiles" / "kimi-k2_grpo_int4_8xh200.yaml"), "--set", "quant.kernel=fused",
+                           "--dry-run"], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 2
+    one_error_line(done.stderr, "quant.kernel", "fused")
