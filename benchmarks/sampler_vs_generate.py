@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/sampler_vs_generate.py                       # the representative setting
     .venv/bin/python benchmarks/sampler_vs_generate.py --setting demo --reps 5 --json
+    .venv/bin/python benchmarks/sampler_vs_generate.py --set quant.format=int4 --set quant.kernel=dequantize
 
 The model is the setting's NF4 base with its LoRA attached (fresh: B = 0, computed like a trained one),
 in eval mode, without gradients; the batch is the setting's rollout batch (its first prompts, G copies
@@ -36,6 +37,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "orbitctl-bench")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="a profile override on top of the setting's (repeatable), e.g. quant.format=int4")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -47,7 +50,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     s = settings.setting(args.setting, args.work)
-    profile = s.load()
+    profile = s.load(tuple(args.sets))
     split = load_prompts(profile.data, profile.run.seed)
     policy = load_policy(profile, prepare_frozen_base(profile, split.warm_task))
     policy.model.eval()
@@ -80,7 +83,7 @@ def main() -> None:
         completion, keep = fn(temperature)
         return time.perf_counter() - start, completion, keep
 
-    report: dict = {"setting": args.setting, "rows": rows, "prompt_tokens": int(ids.shape[1]),
+    report: dict = {"setting": args.setting, "sets": args.sets, "rows": rows, "prompt_tokens": int(ids.shape[1]),
                     "max_new_tokens": new, "threads": args.threads, "temperatures": {}}
     for temperature in (0.0, 1.0):
         times: dict[str, list[float]] = {"orbitctl": [], "generate": []}
@@ -110,7 +113,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"setting {args.setting}: {rows} rows, prompt {report['prompt_tokens']} tokens (left-padded), "
+    print(f"setting {args.setting} {' '.join(args.sets)}: {rows} rows, prompt {report['prompt_tokens']} tokens (left-padded), "
           f"up to {new} new tokens, {args.threads} threads; completion tokens/s, median (min-max) of {args.reps}")
     for temperature, entry in report["temperatures"].items():
         o, g = entry["orbitctl"], entry["generate"]

@@ -76,6 +76,17 @@ def _plain_cpu(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and type(t) in (torch.Tensor, nn.Parameter) and _get_current_dispatch_mode() is None
 
 
+def _kernel_input(x: torch.Tensor) -> bool:
+    """Whether ``x`` can go through the fused kernel: a real CPU tensor, in eager mode, no fake-tensor mode active
+    (the planner's shadow runs); other dispatch modes (an op counter, a memory tracker) see the kernel run."""
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or type(x) not in (torch.Tensor, nn.Parameter):
+        return False
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return not any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack())
+
+
 def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
@@ -134,7 +145,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
-        fused = self.kernel_pack is not None and _plain_cpu(x)
+        fused = self.kernel_pack is not None and _kernel_input(x)
         if not (torch.is_grad_enabled() and x.requires_grad):
             if fused:
                 y = self.kernel_pack.matmul(x)
