@@ -25,6 +25,8 @@ OPS_LINEAR = 3
 OPS_DEQUANT = {"nf4": 6, "fp4": 6, "int4": 12, "fp8": 5, "none": 0}
 """Extra ops of a quantized linear: bitsandbytes' blockwise + 4-bit dequantization (with double-quant absmax);
 QuantLinear's INT4 unpack (shift, mask, offset, cast, scale per group, reshape); FP8 cast and block scale."""
+OPS_INT4_FUSED = 5
+"""A whole INT4 linear through the fused CPU kernel (quant.kernel): view, cast to bf16, the kernel, cast back, view."""
 OPS_LORA = 10
 """PEFT LoRA on one linear: dropout (identity), two linears, scaling, add, input cast."""
 OPS_ATTENTION = {"gqa": 30, "mla": 40}
@@ -33,11 +35,14 @@ attention kernel, the output reshape (MLA: the latent split, the rope/nope split
 OPS_MLP = 2
 """SwiGLU: the activation and the product."""
 OPS_RESIDUAL = 2
-OPS_ROUTER = 14
-"""Router in fp32: cast, gate linear, sigmoid/softmax, bias, top-k, gather, normalise, scale; the one-hot hit mask."""
-OPS_EXPERT = 8
-"""One hit expert in QuantExperts' loop, besides its three linears: where, index, weight index, product, cast,
-index_add."""
+OPS_ROUTER = 10
+"""Router in fp32: cast, gate linear, sigmoid/softmax, bias, top-k, gather, normalise, scale."""
+OPS_EXPERT_DISPATCH = 14
+"""Once per MoE layer (orbitctl.model.expert_lora.experts_by_row): the slots sorted by expert (argsort, index,
+unique_consecutive), the tokens gathered, split into one run per expert and the runs concatenated, the top-k
+weights gathered and applied, one index_add into the zeroed output."""
+OPS_EXPERT = 0
+"""One hit expert besides its three linears and its activation: nothing (its rows are a view of the split)."""
 OPS_CPU_ROWS = 2
 """On the CPU, one hit expert's rows padded to the matmul row grid and the padding sliced off (expert_lora.cpu_rows)."""
 OPS_MODEL = 30
@@ -70,9 +75,18 @@ class OpCounts:
         return self.dense + self.per_expert * experts_hit
 
 
-def _linear_ops(weight, quant, adapted: bool) -> float:
-    quantized = is_quantized(weight, quant)
-    return OPS_LINEAR + (OPS_DEQUANT[quant.format] if quantized else 0) + (OPS_LORA if adapted else 0)
+def fused_int4(quant, gpu: str) -> bool:
+    """Whether the INT4 layers run the fused kernel: quant.kernel auto or fused on the CPU (orbitctl.model.int4_kernel)."""
+    from orbitctl.profile.gpus import resolve_gpu
+
+    return quant.format == "int4" and quant.kernel != "dequantize" and resolve_gpu(gpu).vendor == "cpu"
+
+
+def _linear_ops(weight, quant, adapted: bool, fused: bool = False) -> float:
+    lora = OPS_LORA if adapted else 0
+    if not is_quantized(weight, quant):
+        return OPS_LINEAR + lora
+    return (OPS_INT4_FUSED if fused else OPS_LINEAR + OPS_DEQUANT[quant.format]) + lora
 
 
 def op_counts(profile, arch: ArchSpec, adapters=None) -> OpCounts:
@@ -90,13 +104,15 @@ def _op_counts(arch_key: Same, adapters_key: Same, quant_key: Values, gpu: str) 
     dense = float(OPS_MODEL + OPS_NORM)  # + the final norm
     per_expert = 0.0
     mla = arch.attention == "mla"
+    fused = fused_int4(quant, gpu)
     for layer in arch.layers:
         dense += OPS_NORM * (2 + (2 if mla else 0)) + OPS_ATTENTION["mla" if mla else "gqa"] + OPS_RESIDUAL
-        dense += OPS_MLP if not layer.moe else OPS_ROUTER + (OPS_MLP if arch.shared_intermediate_size else 0)
+        dense += OPS_MLP if not layer.moe else (OPS_ROUTER + OPS_EXPERT_DISPATCH
+                                                + (OPS_MLP if arch.shared_intermediate_size else 0))
         for w in layer.weights:
             if not w.linear:
                 continue
-            ops = _linear_ops(w, quant, (layer.index, w.name) in adapted)
+            ops = _linear_ops(w, quant, (layer.index, w.name) in adapted, fused)
             if w.kind == EXPERT:
                 per_expert += ops  # one projection of one expert; summed over the MoE layers
             elif w.kind != ROUTER:

@@ -32,7 +32,7 @@ from orbitctl.arch.spec import EXPERT, ArchSpec
 from orbitctl.plan.comm import Communication, decoded_tokens, prompt_tokens, rollout_batch
 from orbitctl.plan.layout import Layout
 from orbitctl.plan.ops import (BACKWARD_OPS, OPS_LOSS, OPS_OPTIMIZER, OPS_SAMPLE, activation_bytes_per_token,
-                               adapter_active_params, attention_blocks, op_counts)
+                               adapter_active_params, attention_blocks, fused_int4, op_counts)
 from orbitctl.plan.storage import BaseStorage
 
 COMPUTE_EFFICIENCY = 0.5
@@ -253,8 +253,9 @@ class WeightReads:
         return self.dense + self.moe_layers * self.experts_held * hit * self.per_expert
 
 
-def weight_reads(arch: ArchSpec, storage: BaseStorage, layout: Layout) -> WeightReads:
-    """The weights a forward reads: the embedding is a lookup (unless tied to the head), dequantized weights twice more."""
+def weight_reads(arch: ArchSpec, storage: BaseStorage, layout: Layout, fused: bool = False) -> WeightReads:
+    """The weights a forward reads: the embedding is a lookup (unless tied to the head), dequantized weights twice more
+    (``fused``: the INT4 kernel reads the 4-bit codes once and writes no copy, :mod:`orbitctl.model.int4_kernel`)."""
     dense_stored = storage.total_bytes - storage.expert_bytes - (storage.embedding_bytes if arch.lm_head else 0)
     dense_params = arch.params_total - arch.params_by_kind[EXPERT] - (arch.embedding.numel if arch.lm_head else 0)
     expert_params = arch.params_by_kind[EXPERT]
@@ -262,9 +263,11 @@ def weight_reads(arch: ArchSpec, storage: BaseStorage, layout: Layout) -> Weight
     per_expert_stored = storage.expert_bytes / (moe * arch.num_experts) if moe else 0.0
     per_expert_bf16 = 2.0 * expert_params / (moe * arch.num_experts) if moe else 0.0
     # a weight stored well under bf16 is quantized: dequantized into a bf16 copy on every use
-    expert_deq = DEQUANT_PASSES * per_expert_bf16 if per_expert_stored < 0.75 * per_expert_bf16 else 0.0
-    dense_quantized = storage.quantized_params - (expert_params if expert_deq else 0)
-    dense_deq = DEQUANT_PASSES * 2.0 * max(0, min(dense_quantized, dense_params))
+    copies = 0 if fused else DEQUANT_PASSES
+    quantized_experts = per_expert_stored < 0.75 * per_expert_bf16
+    expert_deq = copies * per_expert_bf16 if quantized_experts else 0.0
+    dense_quantized = storage.quantized_params - (expert_params if quantized_experts else 0)
+    dense_deq = copies * 2.0 * max(0, min(dense_quantized, dense_params))
     return WeightReads(dense=max(dense_stored, 0.0) + dense_deq, per_expert=per_expert_stored + expert_deq,
                        experts_held=layout.experts_per_rank, moe_layers=moe, num_experts=arch.num_experts,
                        top_k=arch.experts_per_token, group=layout.expert_parallel if layout.expert_parallel_on else 1)
@@ -293,7 +296,8 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
     AdapterPlan) adds the adapters' matmuls, ops and optimizer step."""
     peaks = peaks or peaks_of(profile, eff)
     shape, world, ro = comm.shape, profile.world_size, profile.rollout
-    reads = weight_reads(arch, storage, layout)
+    reads = weight_reads(arch, storage, layout)  # the backward dequantizes, whatever the forward's kernel
+    forward_reads = weight_reads(arch, storage, layout, fused=fused_int4(profile.quant, profile.hardware.gpu))
     active = arch.params_active
     terms = comm.terms
     counts = op_counts(profile, arch, adapters)
@@ -318,7 +322,7 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
     first = 1 / shape.rollout_forwards  # the prefill's share of the per-forward traffic
     prefill = _timed(PhaseTime(
         flops=rounds * (2.0 * (active + lora) * batch * prompt + attention_flops(arch, batch * prompt, prompt / 2)),
-        hbm_bytes=rounds * (reads.bytes(batch * prompt) + batch * prompt * (kv + act)),
+        hbm_bytes=rounds * (forward_reads.bytes(batch * prompt) + batch * prompt * (kv + act)),
         intra_bytes=intra * first, inter_bytes=inter * first, tokens=0,
         ops=rounds * (ops(batch * prompt) + OPS_SAMPLE), items=rounds * attention_blocks(arch, batch),
         adapter_flops=rounds * 2.0 * lora * batch * prompt),
@@ -326,7 +330,7 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
     mean_context = prompt + (new + 1) / 2
     decode = _timed(PhaseTime(
         flops=rounds * new * (2.0 * (active + lora) * batch + attention_flops(arch, batch, mean_context)),
-        hbm_bytes=rounds * new * (reads.bytes(batch) + batch * mean_context * kv + batch * act),
+        hbm_bytes=rounds * new * (forward_reads.bytes(batch) + batch * mean_context * kv + batch * act),
         intra_bytes=intra * (1 - first), inter_bytes=inter * (1 - first), tokens=shape.decode_tokens * world,
         ops=rounds * new * (ops(batch) + OPS_SAMPLE), items=rounds * new * attention_blocks(arch, batch),
         adapter_flops=rounds * new * 2.0 * lora * batch),
@@ -354,7 +358,8 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
     fwd_ops, fwd_items = ops(t), attention_blocks(arch, t / seq)
     update = _timed(PhaseTime(
         flops=shape.micro_batches * (forward * (1 + shape.recompute) + backward) + shape.no_grad_passes * forward,
-        hbm_bytes=passes * (reads.bytes(t) + t * act), intra_bytes=intra, inter_bytes=inter,
+        hbm_bytes=(passes - shape.micro_batches) * forward_reads.bytes(t) + shape.micro_batches * reads.bytes(t)
+        + passes * t * act, intra_bytes=intra, inter_bytes=inter,
         tokens=shape.micro_batches * t * world,
         ops=shape.micro_batches * (fwd_ops * (1 + shape.recompute + BACKWARD_OPS) + OPS_LOSS)
         + shape.no_grad_passes * fwd_ops + shape.optimizer_steps * OPS_OPTIMIZER * counts.trainable_tensors,

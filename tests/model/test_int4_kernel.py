@@ -127,3 +127,60 @@ def test_kernel_fused_on_a_gpu_profile_is_refused_by_train(tmp_path, one_error_l
                            "--dry-run"], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 2
     one_error_line(done.stderr, "quant.kernel", "fused")
+
+
+class _OpCount:
+    """Every aten op a forward issues (a dispatch mode: the fused kernel still runs under it)."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                outer.ops += 1
+                return func(*args, **(kwargs or {}))
+
+        self.ops, self._mode = 0, Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("kernel", ["fused", "dequantize"])
+def test_the_time_models_ops_per_decode_step_are_the_ops_a_tiny_moe_step_issues(int4_moe, kernel):
+    """plan's op count of one decode forward (orbitctl.plan.ops, the experts the step hit) against a dispatch count
+    of that forward on the tiny INT4 MoE, each kernel: within 15%."""
+    from transformers import DynamicCache
+
+    from orbitctl.arch.parse import arch_from_config
+    from orbitctl.model.frozen_base import load_frozen_base, use_fused_int4
+    from orbitctl.model.quant_linear import QuantExperts
+    from orbitctl.plan.ops import op_counts
+    from orbitctl.profile import load_profile
+
+    model = load_frozen_base(int4_moe, compute_dtype=torch.float32)
+    if kernel == "fused":
+        use_fused_int4(model)
+    hits = []
+    for module in model.modules():
+        if isinstance(module, QuantExperts):
+            module.register_forward_hook(lambda m, args, out: hits.append(int(torch.unique(args[1]).numel())))
+    ids = torch.randint(0, model.config.vocab_size, (16, 9), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids[:, :8], past_key_values=cache, use_cache=True)  # the prefill
+        hits.clear()
+        with _OpCount() as counted:
+            model(input_ids=ids[:, 8:], past_key_values=cache, use_cache=True)  # one decode step of 16 sequences
+    profile = load_profile(ROOT / "profiles" / "tiny-moe-cpu.yaml",
+                           ["model.arch=null", f"model.config={int4_moe / 'config.json'}", f"quant.kernel={kernel}"])
+    import json
+
+    arch = arch_from_config(json.loads((int4_moe / "config.json").read_text()))
+    modelled = op_counts(profile, arch).forward(sum(hits))
+    print(f"{kernel}: {counted.ops} ops counted, {modelled:.0f} modelled, experts hit {hits}")
+    assert abs(modelled - counted.ops) <= 0.15 * counted.ops, (modelled, counted.ops, hits)

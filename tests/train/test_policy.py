@@ -198,7 +198,7 @@ def test_infer_and_train_paths_agree_under_left_padding(small_profile):
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
 def test_lora_on_our_int4_and_fp8_layers_reloads_exactly(small_profile, tmp_path, fmt):
     from orbitctl.model.adapters import load_lora, save_adapter
-    from orbitctl.model.frozen_base import load_frozen_base
+    from orbitctl.model.frozen_base import load_frozen_base, use_fused_int4
 
     profile = small_profile(**{"quant.format": fmt, "quant.group_size": 32})
     policy, base, split = _policy(profile)
@@ -208,8 +208,10 @@ def test_lora_on_our_int4_and_fp8_layers_reloads_exactly(small_profile, tmp_path
         for _, param in policy.named_trainable():
             param.normal_(0.0, 0.05)
     save_adapter(policy.model, tmp_path / "adapter", "lora", policy.hidden_size)
-    loaded = load_lora(load_frozen_base(str(base.quantized_dir), compute_dtype=_compute_dtype(policy)),
-                       tmp_path / "adapter", dtype=profile.adapter.dtype)
+    frozen = load_frozen_base(str(base.quantized_dir), compute_dtype=_compute_dtype(policy))
+    if any(getattr(m, "kernel_pack", None) is not None for m in policy.model.modules()):
+        use_fused_int4(frozen)  # the INT4 kernel the policy's layers run (quant.kernel: auto on the CPU)
+    loaded = load_lora(frozen, tmp_path / "adapter", dtype=profile.adapter.dtype)
     ours = {n: p for n, p in policy.model.named_parameters() if "lora_" in n}
     theirs = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
     assert ours.keys() == theirs.keys()
