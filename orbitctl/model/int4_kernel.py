@@ -26,6 +26,7 @@ them whatever the compute dtype.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +36,33 @@ KERNEL_GROUPS = (32, 64, 128, 256)
 
 
 def cpu_kernel_available() -> bool:
-    """Whether this torch has the CPU weight-only INT4 kernel and its repacking op."""
+    """Whether this torch has the CPU weight-only INT4 kernel and its repacking op, and on this CPU the kernel
+    computes every output row bit for bit alike whatever the rows beside it (:func:`rows_are_independent`)."""
     ops = torch.ops.aten
-    return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
+    if not (hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")):
+        return False
+    return rows_are_independent()
+
+
+@functools.lru_cache(maxsize=1)
+def rows_are_independent() -> bool:
+    """Probe once per process: the kernel's rows of a many-row product equal the rows computed alone and in small
+    batches. The infer and train paths agree at the floor only if this holds (a kernel that switched to a blocked
+    algorithm for many rows would round differently); where it does not, ``quant.kernel: auto`` dequantizes."""
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (256, 512), generator=generator, dtype=torch.int32)
+    scale = (torch.rand(256, 16, generator=generator) * 0.02 + 0.001).to(torch.bfloat16)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+    table = torch.zeros(16, 256, 2, dtype=torch.bfloat16)
+    table[..., 0] = scale.t()
+    x = torch.randn(600, 512, generator=generator).to(torch.bfloat16)
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, 32, table)
+
+    whole = run(x)
+    return all(torch.equal(run(x[start:start + rows]), whole[start:start + rows])
+               for start, rows in ((0, 1), (1, 3), (7, 16), (40, 64), (100, 500)))
 
 
 def unsupported_shape(out_features: int, in_features: int, group_size: int) -> str | None:

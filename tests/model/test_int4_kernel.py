@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from orbitctl.codec.formats import dequantize_int4, pack_int4, quantize_int4
-from orbitctl.model.int4_kernel import Int4Pack, cpu_kernel_available, unsupported_shape
+from orbitctl.model.int4_kernel import Int4Pack, unsupported_shape
 from orbitctl.model.quant_linear import QuantLinear
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="this torch has no CPU INT4 kernel")
+pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
+                                reason="this torch has no CPU INT4 kernel")
 BF16_HALF_ULP = 2.0 ** -8
 """bf16 keeps 8 significant bits (ulp 2^-7 of the binade's base): rounding moves a value by at most 2^-8 of it."""
 
@@ -51,8 +52,16 @@ def test_fused_matmul_is_the_bf16_rounded_product_of_bf16_activations(scale_dtyp
     assert not torch.equal(y, x @ dense.t())
 
 
-def test_each_row_is_bit_for_bit_the_same_whatever_the_rows_beside_it():
-    """What lets the one-token decode (infer path) and the full-sequence forward (train path) agree at the floor."""
+def test_auto_fuses_only_where_each_row_is_the_same_whatever_the_rows_beside_it():
+    """What lets the one-token decode (infer path) and the full-sequence forward (train path) agree at the floor:
+    where the probe finds it, rows of other shapes hold it too; where not, auto dequantizes."""
+    from orbitctl.model.frozen_base import int4_kernel
+    from orbitctl.model.int4_kernel import rows_are_independent
+
+    if not rows_are_independent():
+        assert int4_kernel("auto", "int4", "cpu") == "dequantize"
+        return
+    assert int4_kernel("auto", "int4", "cpu") == "fused"
     pack = Int4Pack.of(*_weight(64, 128))
     x = torch.randn(300, 128, generator=torch.Generator().manual_seed(2))
     whole = pack.matmul(x)
