@@ -90,17 +90,19 @@ def load_frozen_base(quantized_dir: str | Path, *, device: str | torch.device = 
 
 def int4_kernel(name: str, fmt: str, device_type: str) -> str:
     """``quant.kernel`` resolved where the model runs: ``fused`` or ``dequantize``. auto is fused for INT4 on the CPU
-    where this torch has the kernel; fused asked for elsewhere is refused before this (profile/support.py)."""
-    from orbitctl.model.int4_kernel import cpu_kernel_available
+    where this torch has the kernel and its rows do not depend on the rows beside them (the probe of
+    :func:`~orbitctl.model.int4_kernel.cpu_kernel_available`); fused asked for is fused wherever the kernel exists
+    (and refused on a GPU before this, profile/support.py)."""
+    from orbitctl.model.int4_kernel import cpu_kernel_available, cpu_kernel_present
 
     if fmt != "int4" or name == "dequantize" or device_type != "cpu":
         return "dequantize"
-    if not cpu_kernel_available():
-        if name == "fused":
+    if name == "fused":
+        if not cpu_kernel_present():
             raise UserError(f"quant.kernel: fused needs torch's CPU INT4 kernel, which torch {torch.__version__} lacks",
                             fix="set quant.kernel: auto or dequantize")
-        return "dequantize"
-    return "fused"
+        return "fused"
+    return "fused" if cpu_kernel_available() else "dequantize"
 
 
 def use_fused_int4(model: nn.Module, *, buffers_only: bool = False) -> int:

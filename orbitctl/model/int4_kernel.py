@@ -35,13 +35,16 @@ KERNEL_GROUPS = (32, 64, 128, 256)
 """Group sizes the CPU kernel takes."""
 
 
-def cpu_kernel_available() -> bool:
-    """Whether this torch has the CPU weight-only INT4 kernel and its repacking op, and on this CPU the kernel
-    computes every output row bit for bit alike whatever the rows beside it (:func:`rows_are_independent`)."""
+def cpu_kernel_present() -> bool:
+    """Whether this torch has the CPU weight-only INT4 kernel and its repacking op."""
     ops = torch.ops.aten
-    if not (hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")):
-        return False
-    return rows_are_independent()
+    return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
+
+
+def cpu_kernel_available() -> bool:
+    """Whether the kernel is present and on this CPU computes every output row bit for bit alike whatever the rows
+    beside it (:func:`rows_are_independent`): what ``quant.kernel: auto`` fuses on."""
+    return cpu_kernel_present() and rows_are_independent()
 
 
 @functools.lru_cache(maxsize=1)
