@@ -196,9 +196,12 @@ def experts_by_row(module, experts: torch.Tensor, rows_of, lora: BoundExpertLoRA
     result of row ``order[j]``."""
     order = torch.argsort(experts, stable=True)
     ids, counts = torch.unique_consecutive(experts[order], return_counts=True)
-    runs = torch.split(rows_of(order), counts.tolist())
-    out = torch.cat([expert_forward(module.expert(e), module.act_fn, rows, lora, e)
-                     for e, rows in zip(ids.tolist(), runs)])
+    rows = rows_of(order)
+    if rows.shape[0] == 0:  # nothing routed here: no expert runs, the result is as empty as the input
+        return rows, order
+    runs = torch.split(rows, counts.tolist())
+    out = torch.cat([expert_forward(module.expert(e), module.act_fn, run, lora, e)
+                     for e, run in zip(ids.tolist(), runs)])
     if not restore_order:
         return out, order
     return out[torch.argsort(order)], order

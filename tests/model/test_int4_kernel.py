@@ -193,3 +193,28 @@ def test_the_time_models_ops_per_decode_step_are_the_ops_a_tiny_moe_step_issues(
     modelled = op_counts(profile, arch).forward(sum(hits))
     print(f"{kernel}: {counted.ops} ops counted, {modelled:.0f} modelled, experts hit {hits}")
     assert abs(modelled - counted.ops) <= 0.15 * counted.ops, (modelled, counted.ops, hits)
+
+
+def test_the_sorted_expert_dispatch_is_the_per_token_sum_and_takes_an_empty_batch():
+    """QuantExperts' one-pass dispatch (rows sorted by expert, one index_add) against each token's own weighted sum
+    of its k experts, each expert run on that token alone: the matmuls' and the sum's float32 rounding bound the
+    difference (n eps of the magnitudes, n the inner dimensions 16 + 32 and the 3 terms)."""
+    from torch import nn
+
+    from orbitctl.model.quant_linear import ExpertMLP, QuantExperts
+
+    torch.manual_seed(0)
+    experts = QuantExperts([ExpertMLP(nn.Linear(16, 32, bias=False), nn.Linear(16, 32, bias=False),
+                                      nn.Linear(32, 16, bias=False)) for _ in range(6)], nn.functional.silu)
+    hidden, index, weights = torch.randn(9, 16), torch.randint(0, 6, (9, 3)), torch.rand(9, 3)
+    with torch.no_grad():
+        out = experts(hidden, index, weights)
+        terms = torch.stack([torch.stack([experts.expert(int(index[t, j])).down_proj(
+            nn.functional.silu(experts.expert(int(index[t, j])).gate_proj(hidden[t]))
+            * experts.expert(int(index[t, j])).up_proj(hidden[t])) * weights[t, j] for j in range(3)])
+            for t in range(9)])
+        bound = (16 + 32 + 3) * torch.finfo(torch.float32).eps * terms.abs().sum(1)
+        assert bool(((out - terms.sum(1)).abs() <= bound).all())
+        assert not torch.equal(out, torch.zeros_like(out))
+        empty = experts(hidden[:0], index[:0], weights[:0])
+    assert empty.shape == (0, 16)
