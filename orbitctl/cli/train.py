@@ -102,6 +102,8 @@ def _show_dry_run(report) -> None:
                  f"{gib(m['offloaded_base_bytes_per_node'])} GiB host per node" if m["offload_params"] != "none" else "")
     mech.add_row("offload_optimizer", m["offload_optimizer"], "")
     mech.add_row("prefetch_layers", str(m["prefetch_layers"]), "")
+    mech.add_row("quant.kernel", m["int4_kernel"],
+                 f"{gib(m['int4_kernel_pack_bytes'])} GiB kernel packs" if m["int4_kernel_pack_bytes"] else "")
     ro = report.rollout
     mech.add_row("rollout.kv_dtype", ro["kv_dtype"], "")
     output.show(mech)

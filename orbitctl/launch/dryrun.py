@@ -127,6 +127,7 @@ def _memory_mechanics(profile, plan) -> dict[str, Any]:
     from orbitctl.plan import _arch
     from orbitctl.plan.activations import logits_peak
     from orbitctl.plan.measure import settings_for
+    from orbitctl.plan.ops import fused_int4
 
     mem = profile.memory
     host = plan.host_components
@@ -147,6 +148,9 @@ def _memory_mechanics(profile, plan) -> dict[str, Any]:
         "offload_optimizer": mem.offload_optimizer,
         "prefetch_layers": mem.prefetch_layers,
         "activation_peak_moment": plan.details.get("activation_peak_moment"),
+        "int4_kernel": "fused" if fused_int4(profile.quant, profile.hardware.gpu) else "dequantize",
+        "int4_kernel_pack_bytes": int(max((phase.get("int4_kernel_pack", 0) for phase in plan.phases.values()),
+                                          default=0)),
     }
 
 

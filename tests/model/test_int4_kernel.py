@@ -218,3 +218,15 @@ def test_the_sorted_expert_dispatch_is_the_per_token_sum_and_takes_an_empty_batc
         assert not torch.equal(out, torch.zeros_like(out))
         empty = experts(hidden[:0], index[:0], weights[:0])
     assert empty.shape == (0, 16)
+
+
+def test_the_dry_run_says_which_kernel_train_builds_and_the_packs_planned():
+    from orbitctl.launch.dryrun import dry_run
+    from orbitctl.profile import load_profile
+
+    cpu = dry_run(load_profile(ROOT / "profiles" / "tiny-moe-cpu.yaml")).memory
+    assert cpu["int4_kernel"] == "fused" and cpu["int4_kernel_pack_bytes"] > 0
+    off = dry_run(load_profile(ROOT / "profiles" / "tiny-moe-cpu.yaml", ["quant.kernel=dequantize"])).memory
+    assert off["int4_kernel"] == "dequantize" and off["int4_kernel_pack_bytes"] == 0
+    gpu = dry_run(load_profile(ROOT / "profiles" / "kimi-k2_grpo_int4_8xh200.yaml")).memory
+    assert gpu["int4_kernel"] == "dequantize" and gpu["int4_kernel_pack_bytes"] == 0
