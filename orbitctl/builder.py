@@ -115,7 +115,7 @@ def load_policy(profile, base: PreparedBase, device: str | None = None):
     from transformers import AutoTokenizer
 
     from orbitctl.model.adapters import attach_bottleneck, attach_lora
-    from orbitctl.model.frozen_base import attention_kernel, int4_kernel, load_frozen_base, use_fused_int4
+    from orbitctl.model.frozen_base import apply_int4_kernel, attention_kernel, load_frozen_base
     from orbitctl.model.cpu_dtype import torch_dtype
     from orbitctl.model.expert_parallel import Lockstep
     from orbitctl.model.policy import Policy
@@ -133,8 +133,7 @@ def load_policy(profile, base: PreparedBase, device: str | None = None):
     model = load_frozen_base(str(base.quantized_dir), device=device,
                              compute_dtype=torch_dtype(profile.quant.compute_dtype, device), experts=experts,
                              attention=attention_kernel(profile.memory.flash_attention))
-    if int4_kernel(profile.quant.kernel, profile.quant.format, cpu_dtype.device_type(device)) == "fused":
-        use_fused_int4(model, buffers_only=profile.memory.zero_stage == 3)
+    apply_int4_kernel(model, profile, device)
     hidden = int(model.config.hidden_size)
     attach = attach_lora if profile.adapter.kind == "lora" else attach_bottleneck
     model, report = attach(model, profile.adapter, hidden, seed=profile.run.seed)

@@ -125,6 +125,16 @@ def use_fused_int4(model: nn.Module, *, buffers_only: bool = False) -> int:
     return total
 
 
+def apply_int4_kernel(model: nn.Module, profile, device) -> int:
+    """``profile``'s ``quant.kernel`` on ``model`` loaded onto ``device``: the INT4 layers repacked for the fused
+    kernel where it resolves to fused (under ZeRO-3 only the expert-parallel experts); the packs' bytes."""
+    from orbitctl.model.cpu_dtype import device_type
+
+    if int4_kernel(profile.quant.kernel, profile.quant.format, device_type(device)) != "fused":
+        return 0
+    return use_fused_int4(model, buffers_only=profile.memory.zero_stage == 3)
+
+
 def _config_keeping_tied_head(path: Path):
     """The checkpoint's config, with ``lm_head`` among bitsandbytes' skipped modules when the embeddings are tied.
 
@@ -181,8 +191,7 @@ def load_frozen_base_for_profile(profile, *, device: str | torch.device = "cpu")
 
     model = load_frozen_base(path, device=device, compute_dtype=torch_dtype(profile.quant.compute_dtype, device),
                              attention=attention_kernel(profile.memory.flash_attention))
-    if int4_kernel(profile.quant.kernel, fmt, torch.device(device).type) == "fused":
-        use_fused_int4(model)
+    apply_int4_kernel(model, profile, device)
     return model
 
 

@@ -215,9 +215,8 @@ class QuantExperts(nn.Module):
         contiguous rows (:func:`experts_by_row`), the weighted results added back to their tokens at once."""
         k = top_k_index.shape[-1]
         lora = self.expert_lora.bound() if self.expert_lora is not None else None
-        with torch.no_grad():
-            flat = top_k_index.reshape(-1)
-        out, order = experts_by_row(self, flat, lambda order: hidden_states[torch.div(order, k, rounding_mode="floor")],
+        out, order = experts_by_row(self, top_k_index.reshape(-1),
+                                    lambda order: hidden_states[torch.div(order, k, rounding_mode="floor")],
                                     lora, restore_order=False)
         token_of = torch.div(order, k, rounding_mode="floor")
         weights = top_k_weights.reshape(-1)[order, None]
