@@ -32,6 +32,8 @@ import threading
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from orbitctl.codec.formats import dequantize_fp8_blocks, dequantize_int4, dequantize_int4_into
 from orbitctl.model.expert_lora import experts_by_row
@@ -81,9 +83,6 @@ def _kernel_input(x: torch.Tensor) -> bool:
     (the planner's shadow runs); other dispatch modes (an op counter, a memory tracker) see the kernel run."""
     if torch.compiler.is_compiling() or x.device.type != "cpu" or type(x) not in (torch.Tensor, nn.Parameter):
         return False
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
     return not any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack())
 
 
