@@ -72,17 +72,47 @@ class InternalComparison:
     """The same-weights residual of the two paths on this machine (this comparison, or a second pass)."""
     kv_dtype: str = "bf16"
     """How the infer path kept its KV cache (``rollout.kv_dtype``)."""
+    routing: "RoutingSplit | None" = None
+    """An MoE's routing agreement and its mismatch with and without router replay."""
 
     def describe(self) -> dict:
         doc = {"source": "internal", "train_path": self.train_path, "infer_path": self.infer_path,
                "kv_dtype": self.kv_dtype, "adapter": self.adapter, "prompts": self.prompts,
                "completions": self.completions}
+        if self.routing is not None:
+            doc["routing"] = self.routing.to_dict()
         if self.layers is not None:
             doc["per_layer"] = [{"index": e.index, "name": e.name, "rel_error": e.rel_error} for e in self.layers]
             doc["first_jump"] = None if self.jump is None else {"index": self.jump.index, "name": self.jump.name,
                                                                "rel_error": self.jump.rel_error,
                                                                "likely_cause": self.jump_cause}
         return doc
+
+
+@dataclass
+class RoutingSplit:
+    """An MoE's train/infer mismatch split into routing and numerics: the train path recomputes the sampled tokens
+    once routing them itself and once running the experts the infer path recorded (router replay). Replayed, what
+    is left is numerics; the difference is what routing flips add."""
+
+    replayed_in_comparison: bool
+    """Whether the comparison (and its gates) replays the routing, as ``rl.router_replay`` trains."""
+    agreement: object
+    """:class:`~orbitctl.model.router_replay.Agreement` of the train path's own routing with the recorded one."""
+    without_replay: object
+    """TokenTable of the train path routing itself against the infer path."""
+    with_replay: object
+    """TokenTable of the train path replaying the recorded routing against the infer path."""
+
+    def to_dict(self) -> dict:
+        without, with_ = self.without_replay.summary(), self.with_replay.summary()
+        split = {}
+        for metric in ("js", "logsoftmax_l1"):
+            total, numerics = without[metric]["mean"], with_[metric]["mean"]
+            split[metric] = {"without_replay": total, "with_replay": numerics, "routing": total - numerics}
+        return {"agreement": self.agreement.overall, "agreement_per_layer": self.agreement.per_layer(),
+                "tokens_compared": sum(self.agreement.compared), "replayed_in_comparison": self.replayed_in_comparison,
+                "mismatch": split}
 
 
 def resolve_adapter(profile, adapter: str | Path | None) -> Path | None:
@@ -229,21 +259,45 @@ def compare_internal(profile, *, adapter: str | Path | None = None, prompts: lis
     infer_logp = []
     completions = 0
     logit_absmax, compute_dtype = 0.0, None
+    replay = profile.rl.router_replay
+    routing = None
+    if train_policy.routing is not None:  # an MoE: the other replay setting beside the comparison
+        routing = RoutingSplit(replay, None, TokenTable(k=profile.alignment.top_k),
+                               TokenTable(k=profile.alignment.top_k))
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
         ids, mask = infer_policy.encode_prompts(chunk)
         samples = infer_policy.sample(ids, mask, max_new_tokens=profile.rollout.max_new_tokens,
                                       temperature=temperature, top_p=profile.rollout.top_p, generator=generator,
                                       keep_logits=True, keep_hidden=per_layer)
-        with torch.no_grad():
-            out = train_policy.completion_logits(samples.prompt_ids, samples.prompt_mask, samples.completion_ids,
-                                                 samples.completion_mask, train=True, with_hidden=per_layer)
-        train_logits, train_hidden = out if per_layer else (out, None)
-        compute_dtype = str(train_logits.dtype).removeprefix("torch.")
-        train_logits = train_logits.float().cpu() / (temperature if temperature > 0 else 1.0)
-        train_hidden = train_hidden.cpu() if train_hidden is not None else None
+        def train_forward(replayed: bool, hidden: bool = False):
+            with torch.no_grad():
+                out = train_policy.completion_logits(samples.prompt_ids, samples.prompt_mask, samples.completion_ids,
+                                                     samples.completion_mask, train=True, with_hidden=hidden,
+                                                     routes=samples.routes, replay=replayed)
+            return out if hidden else (out, None)
+
+        def scaled(logits):
+            return logits.float().cpu() / (temperature if temperature > 0 else 1.0)
+
         keep = samples.completion_mask.bool()
+        train_logits, train_hidden = train_forward(replay, per_layer)
+        compute_dtype = str(train_logits.dtype).removeprefix("torch.")
+        train_logits = scaled(train_logits)
+        train_hidden = train_hidden.cpu() if train_hidden is not None else None
         table.add(train_logits[keep], samples.logits[keep], samples.completion_ids[keep])
+        if routing is not None:
+            if replay:
+                other = scaled(train_forward(False)[0])  # routing itself: where the agreement is read
+            agreement = train_policy.routing_agreement(samples.routes, samples.prompt_ids.shape[1],
+                                                       samples.completion_mask)
+            if not replay:
+                other = scaled(train_forward(True)[0])
+            routing.agreement = agreement if routing.agreement is None else routing.agreement + agreement
+            (routing.with_replay if not replay else routing.without_replay).add(
+                other[keep], samples.logits[keep], samples.completion_ids[keep])
+            (routing.without_replay if not replay else routing.with_replay).add(
+                train_logits[keep], samples.logits[keep], samples.completion_ids[keep])
         logit_absmax = max(logit_absmax, float(train_logits[keep].abs().max()))
         infer_logp.append(samples.logprobs[keep].double())
         completions += len(chunk)
@@ -268,7 +322,7 @@ def compare_internal(profile, *, adapter: str | Path | None = None, prompts: lis
                                        f"{'on' if profile.memory.gradient_checkpointing else 'off'})",
                                 infer_desc, str(adapter_dir) if adapter_dir else "fresh (untrained)",
                                 len(prompts), completions, notes=notes, infer_token_logp=torch.cat(infer_logp),
-                                kv_dtype=kv_dtype)
+                                kv_dtype=kv_dtype, routing=routing)
     floor_layers = None
     if per_layer:
         rel = _relative(sq_diff, sq_norm)

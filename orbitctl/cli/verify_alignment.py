@@ -73,10 +73,27 @@ def verify_alignment_command(
         raise CheckFailed(f"alignment gates failed: {', '.join(failed)}")
 
 
+def _render_routing(routing: dict) -> None:
+    """An MoE's routing agreement per layer and its mismatch split into routing and numerics."""
+    per_layer = ", ".join("n/a" if v is None else f"{v:.2%}" for v in routing["agreement_per_layer"])
+    overall = routing["agreement"]
+    output.show(f"routing agreement (same top-k set on both paths): "
+                f"{'n/a' if overall is None else f'{overall:.2%}'} of {routing['tokens_compared']:,} tokens; "
+                f"per MoE layer {per_layer}")
+    table = output.table("MoE mismatch, routing vs numerics (means)",
+                         ("metric", "without replay", "with replay (numerics)", "routing"))
+    for metric, parts in routing["mismatch"].items():
+        table.add_row(metric, *(f"{parts[k]:.3g}" for k in ("without_replay", "with_replay", "routing")))
+    output.show(table)
+    output.show("the comparison above " + ("replays the recorded routing (rl.router_replay: true)"
+                                          if routing["replayed_in_comparison"] else
+                                          "routes on each path (rl.router_replay: false)"))
+
+
 def render(report, plot: str | None) -> None:
     src = report.source
     if src:
-        where = ", ".join(f"{k}: {v}" for k, v in src.items() if k not in ("per_layer", "first_jump"))
+        where = ", ".join(f"{k}: {v}" for k, v in src.items() if k not in ("per_layer", "first_jump", "routing"))
         output.show(f"[bold]compared[/bold] {report.tokens:,} tokens ({where})")
     floor = report.floor
     if report.summary:
@@ -99,6 +116,8 @@ def render(report, plot: str | None) -> None:
             l1 = times.get("logsoftmax_l1")
             output.show(f"this comparison is {times['js']:.3g}x the floor in JS"
                         + (f", {l1:.3g}x in log-softmax L1" if l1 is not None else "") + " (means)")
+    if src.get("routing"):
+        _render_routing(src["routing"])
     if report.layers:
         layers = output.table("hidden-state relative error by layer", ("layer", "rel. error"))
         jump = src.get("first_jump")

@@ -37,6 +37,7 @@ class Samples:
     dist: "torch.Tensor | None"         # [B, T, V] infer-path log-distribution, when kept
     logits: "torch.Tensor | None" = None  # [B, T, V] temperature-scaled logits, when kept
     hidden: "torch.Tensor | None" = None  # [B, T, L+1, H] hidden states that predicted each token, when kept
+    routes: "torch.Tensor | None" = None  # [B, T, L_moe, k] each token's experts per MoE layer (MoE models)
 
 
 def position_ids_for(mask):
@@ -62,8 +63,9 @@ class Policy:
 
     def __init__(self, model, tokenizer, report: AdapterReport, *, hidden_size: int, adapter_kind: str,
                  gradient_checkpointing: bool = True, lockstep=None, chat_template: bool = False,
-                 kv_dtype: str = "bf16") -> None:
+                 kv_dtype: str = "bf16", router_replay: bool = False) -> None:
         from orbitctl.model.expert_parallel import SOLO
+        from orbitctl.model.router_replay import RouterTape
 
         self.model = model
         self.chat_template = chat_template
@@ -72,6 +74,11 @@ class Policy:
         """How the infer path keeps its KV cache (``rollout.kv_dtype``; :mod:`orbitctl.model.kv_cache`): ``bf16`` in
         the compute dtype, ``fp8`` in float8 e4m3 with a scale per token and KV head. The train path has no cache."""
         self.lockstep = lockstep or SOLO
+        self.routing = RouterTape.attach(model)
+        """The MoE routers' tape (:mod:`orbitctl.model.router_replay`): the infer path records each sampled token's
+        experts, the train path replays them (:attr:`router_replay`) or compares with them. None on a dense model."""
+        self.router_replay = router_replay
+        """``rl.router_replay``: the train path runs the experts the infer path recorded for the completion."""
         """Keeps expert-parallel ranks calling the model alike (:class:`~orbitctl.model.expert_parallel.Lockstep`)."""
         self.tokenizer = tokenizer
         self.report = report
@@ -154,9 +161,13 @@ class Policy:
         with torch.no_grad():
             mask = prompt_mask.clone()
             fresh = new_kv_cache(kv_dtype or self.kv_dtype)  # None: the model starts its own
+            if self.routing is not None:
+                self.routing.off()  # the prompt is routed, not recorded: the train path routes it itself
             out = self.model(input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids_for(mask),
                              use_cache=True, output_hidden_states=keep_hidden, **self._last_logits(1),
                              **({} if fresh is None else {self._cache_kw: fresh}))
+            if self.routing is not None:
+                self.routing.record()  # decode step t feeds token t-1: its experts are that token's
             cache, logits = getattr(out, self._cache_kw), out.logits[:, -1, :]
             next_pos = mask.sum(-1, keepdim=True)
             finished = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -188,7 +199,9 @@ class Policy:
                 finished = finished | (token == self.eos_id)
                 if forced is not None:  # done where no forced token is left (an empty slice: all done)
                     finished = ~forced_mask[:, step + 1:].bool().any(-1)
-                if self.lockstep.all_done(bool(finished.all())):  # under EP every rank decodes until all are done
+                # the last token is never fed back (its logits would predict nothing kept); under EP every rank
+                # decodes until all are done, and every rank stops at the same last step without asking
+                if step == max_new_tokens - 1 or self.lockstep.all_done(bool(finished.all())):
                     break
                 mask = torch.cat([mask, alive.long()[:, None]], dim=-1)
                 out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos,
@@ -198,8 +211,13 @@ class Policy:
         def host(parts):
             return torch.stack(parts, 1).cpu() if parts else None
 
-        return Samples(prompt_ids.cpu(), prompt_mask.cpu(), host(tokens), host(keep), host(logps), host(dists),
-                       host(raw), host(hidden))
+        kept = host(keep)
+        routes = None
+        if self.routing is not None:
+            routes = self.routing.take(batch, len(tokens), kept) if self.routing.mode == "record" and tokens else None
+            self.routing.off()
+        return Samples(prompt_ids.cpu(), prompt_mask.cpu(), host(tokens), kept, host(logps), host(dists),
+                       host(raw), host(hidden), routes)
 
     def filler(self):
         """A one-token batch for a rank that has run out of work while others have not (see ``lockstep``)."""
@@ -215,13 +233,18 @@ class Policy:
 
     # -- train path ----------------------------------------------------------------------
     def completion_logits(self, prompt_ids, prompt_mask, completion_ids, completion_mask, *, train: bool = True,
-                          with_hidden: bool = False):
+                          with_hidden: bool = False, routes=None, replay: bool | None = None):
         """Logits that predict each completion token, [B, T, V], from one full-sequence forward.
 
         ``with_hidden`` also returns the hidden states at the same positions, [B, T, L+1, H].
+        ``routes`` [B, T, L_moe, k] (an MoE model's recorded routing, :attr:`Samples.routes`): the completion's
+        tokens run those experts when ``replay`` (default :attr:`router_replay`), else the router's own choice is
+        kept beside them for :meth:`routing_agreement`.
         """
         import torch
 
+        if self.routing is not None:
+            self.routing.follow(routes, prompt_ids.shape[1], replay=self.router_replay if replay is None else replay)
         device = self.device
         ids = torch.cat([prompt_ids, completion_ids], dim=1).to(device)
         mask = torch.cat([prompt_mask, completion_mask], dim=1).to(device)
@@ -241,7 +264,13 @@ class Policy:
         """The output layer (lm_head) as the forward calls it: the same module, weights (tied or not) and hooks."""
         return self.model.get_output_embeddings()
 
-    def completion_hidden(self, prompt_ids, prompt_mask, completion_ids, completion_mask, *, train: bool = True):
+    def routing_agreement(self, routes, prompt_width: int, mask=None):
+        """Per MoE layer, the completion tokens whose top-k experts the last train-path forward (given ``routes``)
+        chose as ``routes`` records (:class:`~orbitctl.model.router_replay.Agreement`)."""
+        return self.routing.agreement(routes, prompt_width, mask)
+
+    def completion_hidden(self, prompt_ids, prompt_mask, completion_ids, completion_mask, *, train: bool = True,
+                          routes=None):
         """The final hidden states (after the last norm) that :meth:`completion_logits` feeds the output layer,
         [B, T, H]: for a caller that applies :attr:`output_layer` itself, a chunk of positions at a time
         (``memory.loss_chunk_size``: :mod:`orbitctl.rl.chunked_loss`).
@@ -250,14 +279,17 @@ class Policy:
         whatever wraps it (DeepSpeed's hooks) sees the call as before and no [B, T, V] tensor is made.
         """
         with _passed_through(self.output_layer):
-            return self.completion_logits(prompt_ids, prompt_mask, completion_ids, completion_mask, train=train)
+            return self.completion_logits(prompt_ids, prompt_mask, completion_ids, completion_mask, train=train,
+                                          routes=routes)
 
-    def reference_logits(self, prompt_ids, prompt_mask, completion_ids, completion_mask):
-        """The reference policy (adapters disabled, no grad): no second copy of the model."""
+    def reference_logits(self, prompt_ids, prompt_mask, completion_ids, completion_mask, routes=None):
+        """The reference policy (adapters disabled, no grad): no second copy of the model; ``routes`` replayed
+        like the train path's."""
         import torch
 
         with torch.no_grad(), adapters_disabled(self.model):
-            return self.completion_logits(prompt_ids, prompt_mask, completion_ids, completion_mask, train=False)
+            return self.completion_logits(prompt_ids, prompt_mask, completion_ids, completion_mask, train=False,
+                                          routes=routes)
 
 
 @contextmanager

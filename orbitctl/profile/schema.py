@@ -319,6 +319,9 @@ class RLSection(Section):
     """Rollout/train mismatch correction."""
     max_nonfinite_steps: int = Field(3, ge=1)
     """Stop after this many consecutive updates with a non-finite loss or gradient."""
+    router_replay: bool = False
+    """MoE: the update runs each sampled token through the experts the rollout routed it to (R3); gate weights
+    from the update's own router logits over that set. The step reports routing agreement either way."""
 
     @model_validator(mode="after")
     def _group(self) -> "RLSection":

@@ -63,7 +63,8 @@ def chunked_terms(policy, mb, temperature: float, chunk: int, *, infer_dist=None
     ``mb`` holds ``prompt_ids``, ``prompt_mask``, ``completion_ids`` and ``attention`` (the completion
     tokens the model reads); ``infer_dist`` is the infer path's [B, T, V] log-distribution, wherever it lives.
     """
-    hidden = policy.completion_hidden(mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["attention"])
+    hidden = policy.completion_hidden(mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["attention"],
+                                      routes=mb.get("routes"))
     return over_chunks(policy.output_layer, hidden, mb["completion_ids"].to(hidden.device), temperature, chunk,
                        infer_dist=infer_dist)
 
@@ -75,7 +76,7 @@ def chunked_logprobs(policy, mb, temperature: float, chunk: int, *, reference: b
 
     with torch.no_grad(), (adapters_disabled(policy.model) if reference else nullcontext()):
         hidden = policy.completion_hidden(mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["attention"],
-                                          train=False)
+                                          train=False, routes=mb.get("routes"))
         terms = over_chunks(policy.output_layer, hidden, mb["completion_ids"].to(hidden.device), temperature, chunk,
                             with_entropy=False)
     return terms.logp

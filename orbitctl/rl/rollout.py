@@ -30,6 +30,9 @@ class RolloutBatch:
     completion_attention: "torch.Tensor | None" = None
     """[B, T] 1 on every real completion token, the environment's included (multi-turn rollouts); None: the
     same as ``completion_mask``. The train path attends to these; the losses count ``completion_mask`` only."""
+    routes: "torch.Tensor | None" = None
+    """[B, T, L_moe, k] the experts each completion token was routed to on the infer path, per MoE layer (-1: not
+    recorded); None on a dense model or when the engine returns none. Replayed by ``rl.router_replay``."""
 
     @property
     def size(self) -> int:
@@ -102,11 +105,13 @@ def collect(policy, items, reward_fn, *, group_size: int, batch_size: int, max_n
     dist = _pad_right([p.dist for p in parts], 0.0) if keep_dist else None
     prompt_ids = _pad_left([p.prompt_ids for p in parts], pad)
     prompt_mask = _pad_left([p.prompt_mask for p in parts], 0)
+    routes = _pad_right([p.routes for p in parts], -1) if parts and all(p.routes is not None for p in parts) else None
     return rewarded(policy, expanded, (prompt_ids, prompt_mask), (completion_ids, completion_mask), logprobs, dist,
-                    reward_fn, start)
+                    reward_fn, start, routes=routes)
 
 
-def rewarded(policy, expanded, prompts, completions, logprobs, dist, reward_fn, start: float) -> RolloutBatch:
+def rewarded(policy, expanded, prompts, completions, logprobs, dist, reward_fn, start: float,
+             routes=None) -> RolloutBatch:
     """The batch of sampled ``(ids, mask)`` pairs with its texts and rewards; the rollout timed from ``start``."""
     import torch
 
@@ -115,7 +120,7 @@ def rewarded(policy, expanded, prompts, completions, logprobs, dist, reward_fn, 
     start = time.perf_counter()
     rewards = torch.tensor(reward_fn(texts, expanded), dtype=torch.float32)
     return RolloutBatch(expanded, *prompts, *completions, logprobs, dist, texts, rewards, rollout_s,
-                        time.perf_counter() - start)
+                        time.perf_counter() - start, routes=routes)
 
 
 def evaluate(policy, items: list[PromptItem], reward_fn, *, batch_size: int, max_new_tokens: int, generator) -> dict:

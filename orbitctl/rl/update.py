@@ -26,6 +26,8 @@ class StepStats:
     totals: dict = field(default_factory=dict)
     """Per-step totals reported as they are (not per token), such as ``offload_bytes``."""
     finite: bool = True
+    agreement: object = None
+    """The routing agreement of the step's sampled tokens (an MoE with a recorded routing)."""
 
     def add(self, name: str, value: float) -> None:
         self.sums[name] = self.sums.get(name, 0.0) + value
@@ -36,11 +38,19 @@ class StepStats:
     def peak(self, name: str, value: float) -> None:
         self.maxes[name] = max(self.maxes.get(name, -math.inf), value)
 
+    def routing(self, agreement) -> None:
+        """Add one micro-batch's routing agreement (:class:`~orbitctl.model.router_replay.Agreement`)."""
+        self.agreement = agreement if self.agreement is None else self.agreement + agreement
+
     def means(self) -> dict:
         n = max(self.tokens, 1.0)
         out = {k: v / n for k, v in self.sums.items()}
         out.update(self.maxes)
         out.update(self.totals)
+        if self.agreement is not None and self.agreement.overall is not None:
+            layers = [v for v in self.agreement.per_layer() if v is not None]
+            out["routing_agreement"] = self.agreement.overall
+            out["routing_agreement_min_layer"] = min(layers)
         return out
 
 
@@ -61,6 +71,7 @@ def _rows(batch, rows, advantages, old_logp):
         "attention": _attention(batch)[rows], "infer_logp": batch.infer_logprobs[rows], "adv": advantages[rows],
         "dist": batch.infer_dist[rows] if batch.infer_dist is not None else None,
         "old_logp": old_logp[rows] if old_logp is not None else None,
+        "routes": batch.routes[rows] if batch.routes is not None else None,
     }
     return sel
 
@@ -72,7 +83,7 @@ def _attention(batch):
 
 def _train_logdist(policy, mb, temperature: float, train: bool = True):
     logits = policy.completion_logits(mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
-                                      mb["attention"], train=train)
+                                      mb["attention"], train=train, routes=mb.get("routes"))
     return scaled_logdist(logits, temperature)
 
 
@@ -91,7 +102,8 @@ def _reference_logp(policy, mb, temperature: float, chunk: int):
     """Sampled-token log-probs of the reference policy (adapters disabled, no grad)."""
     if chunk:
         return chunked_logprobs(policy, mb, temperature, chunk, reference=True)
-    ref_logits = policy.reference_logits(mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["attention"])
+    ref_logits = policy.reference_logits(mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["attention"],
+                                         routes=mb.get("routes"))
     return scaled_logdist(ref_logits, temperature).gather(-1, mb["completion_ids"][..., None]).squeeze(-1)
 
 
@@ -105,7 +117,8 @@ def old_logprobs(policy, batch, micro: int, temperature: float, chunk: int = 0):
         for start in range(0, batch.size, micro):
             rows = slice(start, start + micro)
             mb = {"prompt_ids": batch.prompt_ids[rows], "prompt_mask": batch.prompt_mask[rows],
-                  "completion_ids": batch.completion_ids[rows], "attention": _attention(batch)[rows]}
+                  "completion_ids": batch.completion_ids[rows], "attention": _attention(batch)[rows],
+                  "routes": batch.routes[rows] if batch.routes is not None else None}
             if chunk:
                 logp = chunked_logprobs(policy, mb, temperature, chunk)
             else:
@@ -130,6 +143,8 @@ def micro_loss(policy, mb, profile, token_total: float, stats: StepStats):
     with offloaded_boundaries(policy.model, profile.memory.offload_activations == "cpu") as moved:
         terms = completion_terms(policy, mb, temperature, chunk, infer_dist=mb["dist"] if align_kl else None)
     stats.total("offload_bytes", moved.bytes)
+    if mb.get("routes") is not None and policy.routing is not None:
+        stats.routing(policy.routing_agreement(mb["routes"], mb["prompt_ids"].shape[1], mb["completion_mask"]))
     logp = terms.logp * mask
     old = mb["old_logp"] if mb["old_logp"] is not None else logp.detach()
     pg, clipped, ratio = ppo_clip_terms(logp, old, mb["adv"], rl.clip_eps)

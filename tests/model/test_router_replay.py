@@ -1,0 +1,169 @@
+"""Router replay (R3): the infer path records each sampled token's experts, the train path runs exactly those.
+
+The infer path is made to differ from the train path by an fp8 KV cache (``rollout.kv_dtype: fp8``), which is
+enough to flip some tokens' top-k experts on the tiny MoE: routing agreement falls below 1, and replay makes the
+train path run the recorded experts (compared index by index) and brings the mismatch of the tokens a flip
+reaches down to what the numerics alone leave.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from orbitctl.model.router_replay import NOT_RECORDED, RouterTape, gate_weights, routers_of, same_set
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _hf_moe(model_type: str, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    from orbitctl.model.tiny import tiny_config
+
+    torch.manual_seed(0)
+    values = {"n_routed_experts": 8} if model_type == "deepseek_v3" else {"num_experts": 8}
+    config = tiny_config(model_type, num_experts_per_tok=2, num_hidden_layers=3, **values, **overrides)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("model_type, overrides", [
+    ("deepseek_v3", {}),
+    ("deepseek_v3", {"norm_topk_prob": True, "routed_scaling_factor": 2.5}),
+    ("qwen3_moe", {}),
+    ("qwen3_moe", {"norm_topk_prob": False}),
+])
+def test_the_recomputed_gate_weights_are_the_routers_own_on_its_own_choice(model_type, overrides):
+    model = _hf_moe(model_type, **overrides)
+    routers = routers_of(model)
+    assert routers and all(r.top_k == 2 for r in routers)
+    for router in routers:
+        with torch.no_grad():
+            router.weight.normal_(0.0, 0.3)
+        hidden = torch.randn(64, router.weight.shape[1])
+        logits, weights, indices = router(hidden)
+        assert torch.equal(gate_weights(router, logits, indices), weights)
+
+
+def test_replaying_the_models_own_routing_changes_nothing_and_another_routing_trains_the_router():
+    model = _hf_moe("deepseek_v3")
+    model.train()
+    tape = RouterTape.attach(model)
+    ids = torch.randint(0, 256, (3, 7))
+    tape.follow(torch.full((3, 4, tape.layers, 2), NOT_RECORDED, dtype=torch.int16), 3, replay=True)
+    plain = model(input_ids=ids).logits
+    own = torch.stack([o.reshape(3, 7, 2)[:, 3:] for o in tape.own], dim=2)  # the router's choice, completion part
+    tape.follow(own, 3, replay=True)
+    assert torch.equal(model(input_ids=ids).logits, plain)
+    # another routing: the completion runs it, the prompt keeps its own, and the router gets a gradient
+    other = (own + 1) % 8
+    for router in tape.routers:
+        router.weight.requires_grad_(True)
+        router.weight.grad = None
+    tape.follow(other, 3, replay=True)
+    replayed = model(input_ids=ids).logits
+    # the prompt routes itself: before the first replayed token only the experts' row batching differs
+    torch.testing.assert_close(replayed[:, :3], plain[:, :3], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(replayed[:, 3:], plain[:, 3:])
+    for layer, ran in enumerate(tape.replayed):
+        assert torch.equal(ran.reshape(3, 7, 2)[:, 3:], other[:, :, layer].long())
+    replayed.float().pow(2).mean().backward()
+    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in tape.routers)
+
+
+def test_a_checkpointed_layer_replays_the_same_experts_in_its_recomputation():
+    model = _hf_moe("deepseek_v3")
+    model.train()
+    tape = RouterTape.attach(model)
+    ids = torch.randint(0, 256, (2, 9))
+    routes = torch.randint(0, 8, (2, 5, tape.layers, 2), generator=torch.Generator().manual_seed(1))
+    routes[..., 1] = (routes[..., 0] + 1 + routes[..., 1] % 7) % 8  # two distinct experts per token
+    params = [p for p in model.parameters() if p.dtype.is_floating_point]
+
+    def grads(checkpointing: bool):
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
+        model.zero_grad()
+        tape.follow(routes.to(torch.int16), 4, replay=True)
+        model(input_ids=ids).logits.float().pow(2).mean().backward()
+        return [p.grad.clone() for p in params if p.grad is not None]
+
+    plain, checkpointed = grads(False), grads(True)
+    assert len(plain) == len(checkpointed) > 0
+    for a, b in zip(plain, checkpointed):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def fp8_moe_policy(tmp_path_factory, model_cache):
+    """The tiny MoE profile on one process, its infer path decoding through an fp8 KV cache."""
+    from orbitctl.builder import load_policy, prepare_frozen_base
+    from orbitctl.data.prompts import load_prompts
+    from orbitctl.profile import load_profile
+
+    run = tmp_path_factory.mktemp("r3")
+    profile = load_profile(ROOT / "profiles" / "tiny-moe-cpu.yaml",
+                           ["memory.expert_parallel=1", "hardware.gpus_per_node=1", "rollout.kv_dtype=fp8",
+                            f"run.dir={run}"])
+    split = load_prompts(profile.data, profile.run.seed)
+    policy = load_policy(profile, prepare_frozen_base(profile, split.warm_task))
+    items = (split.train + split.eval)[:600]
+    ids, mask = policy.encode_prompts([item.prompt for item in items])
+    samples = policy.sample(ids, mask, max_new_tokens=8, temperature=1.0, top_p=1.0,
+                            generator=torch.Generator().manual_seed(3), keep_logits=True)
+    return policy, samples
+
+
+def _js(train_logits, infer_logits):
+    a, b = torch.log_softmax(train_logits.double(), -1), torch.log_softmax(infer_logits.double(), -1)
+    m = torch.logaddexp(a, b) - torch.log(torch.tensor(2.0, dtype=torch.float64))
+    return 0.5 * ((a.exp() * (a - m)).sum(-1) + (b.exp() * (b - m)).sum(-1))
+
+
+def test_the_infer_path_records_every_fed_token_and_replay_runs_exactly_those_experts(fp8_moe_policy):
+    policy, s = fp8_moe_policy
+    batch, width = s.completion_ids.shape
+    assert s.routes.shape == (batch, width, policy.routing.layers, 2) and s.routes.dtype == torch.int16
+    recorded = (s.routes >= 0).all(-1).all(-1)
+    # a token is recorded exactly when it was sampled and fed back: every sampled token but the last step's
+    fed = s.completion_mask.bool().clone()
+    fed[:, -1] = False
+    assert torch.equal(recorded, fed) and fed.any()
+    prompt = s.prompt_ids.shape[1]
+    with torch.no_grad():
+        own = policy.completion_logits(s.prompt_ids, s.prompt_mask, s.completion_ids, s.completion_mask,
+                                       routes=s.routes, replay=False)
+    agreement = policy.routing_agreement(s.routes, prompt, s.completion_mask)
+    assert sum(agreement.compared) == int(fed.sum()) * policy.routing.layers
+    assert 0.5 < agreement.overall < 1.0, agreement  # fp8 KV flips some tokens' experts, not most
+    chosen = [o.reshape(batch, -1, 2)[:, prompt:].cpu() for o in policy.routing.own]
+    flipped = torch.zeros(batch, width, dtype=torch.bool)
+    for layer, mine in enumerate(chosen):
+        flipped |= recorded & ~same_set(mine, s.routes[:, :, layer].long())
+    with torch.no_grad():
+        replayed = policy.completion_logits(s.prompt_ids, s.prompt_mask, s.completion_ids, s.completion_mask,
+                                            routes=s.routes, replay=True)
+    for layer, ran in enumerate(policy.routing.replayed):
+        ran = ran.reshape(batch, -1, 2)[:, prompt:].cpu()
+        assert torch.equal(ran[recorded], s.routes[:, :, layer].long()[recorded])
+    # the tokens a flip reaches (after it in the same row): replay removes what the flip added
+    reached = torch.zeros_like(flipped)
+    reached[:, 1:] = flipped.long().cumsum(1)[:, :-1] > 0
+    reached &= s.completion_mask.bool()
+    assert reached.sum() > 0
+    js_own, js_replayed = _js(own[reached], s.logits[reached]), _js(replayed[reached], s.logits[reached])
+    assert js_replayed.mean() < 0.5 * js_own.mean(), (float(js_own.mean()), float(js_replayed.mean()))
+    # elsewhere both paths ran the same experts: replay changes nothing there
+    untouched = s.completion_mask.bool() & ~reached
+    torch.testing.assert_close(replayed[untouched], own[untouched], rtol=0, atol=0)
+
+
+def test_the_routing_of_a_finished_row_is_not_recorded(fp8_moe_policy):
+    policy, s = fp8_moe_policy
+    finished = ~s.completion_mask.bool()
+    assert finished.any()
+    assert (s.routes[finished] == NOT_RECORDED).all()
