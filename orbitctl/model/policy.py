@@ -38,6 +38,7 @@ class Samples:
     logits: "torch.Tensor | None" = None  # [B, T, V] temperature-scaled logits, when kept
     hidden: "torch.Tensor | None" = None  # [B, T, L+1, H] hidden states that predicted each token, when kept
     routes: "torch.Tensor | None" = None  # [B, T, L_moe, k] each token's experts per MoE layer (MoE models)
+    prompt_routes: "torch.Tensor | None" = None  # [B, P, L_moe, k] the prompt's, -1 on padding (MoE models)
 
 
 def position_ids_for(mask):
@@ -162,11 +163,13 @@ class Policy:
             mask = prompt_mask.clone()
             fresh = new_kv_cache(kv_dtype or self.kv_dtype)  # None: the model starts its own
             if self.routing is not None:
-                self.routing.off()  # the prompt is routed, not recorded: the train path routes it itself
+                self.routing.record()  # the prompt's routing: an engine returns it; the train path routes it itself
             out = self.model(input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids_for(mask),
                              use_cache=True, output_hidden_states=keep_hidden, **self._last_logits(1),
                              **({} if fresh is None else {self._cache_kw: fresh}))
+            prompt_routes = None
             if self.routing is not None:
+                prompt_routes = self.routing.take_prompt(mask)
                 self.routing.record()  # decode step t feeds token t-1: its experts are that token's
             cache, logits = getattr(out, self._cache_kw), out.logits[:, -1, :]
             next_pos = mask.sum(-1, keepdim=True)
@@ -217,7 +220,7 @@ class Policy:
             routes = self.routing.take(batch, len(tokens), kept) if self.routing.mode == "record" and tokens else None
             self.routing.off()
         return Samples(prompt_ids.cpu(), prompt_mask.cpu(), host(tokens), kept, host(logps), host(dists),
-                       host(raw), host(hidden), routes)
+                       host(raw), host(hidden), routes, prompt_routes)
 
     def filler(self):
         """A one-token batch for a rank that has run out of work while others have not (see ``lockstep``)."""

@@ -139,6 +139,14 @@ class RouterTape:
             routes = routes.masked_fill(~alive.bool().cpu()[:, :, None, None], NOT_RECORDED)
         return routes
 
+    def take_prompt(self, mask: torch.Tensor) -> torch.Tensor:
+        """The recording of one prefill over ``[B, P]`` tokens as ``[B, P, L, k]``, :data:`NOT_RECORDED` where ``mask``
+        is 0 (left padding). Stops recording."""
+        batch, width = mask.shape
+        routes = torch.stack([calls[0].reshape(batch, width, self.top_k) for calls in self._recorded], dim=2)
+        self.off()
+        return routes.to("cpu", ROUTE_DTYPE).masked_fill(~mask.bool().cpu()[:, :, None, None], NOT_RECORDED)
+
     def follow(self, routes: torch.Tensor | None, prompt_width: int, *, replay: bool) -> None:
         """Set up the train path's next forward over ``[B, prompt_width + T]`` tokens: replay ``routes`` [B, T, L, k]
         on the completion (``replay``), or only keep the router's own choice beside them (``compare``). ``None``:

@@ -167,3 +167,23 @@ def test_the_routing_of_a_finished_row_is_not_recorded(fp8_moe_policy):
     finished = ~s.completion_mask.bool()
     assert finished.any()
     assert (s.routes[finished] == NOT_RECORDED).all()
+
+
+def test_the_prompts_routing_is_recorded_at_prefill_and_padding_is_not(fp8_moe_policy):
+    policy, s = fp8_moe_policy
+    batch, width = s.prompt_ids.shape
+    assert s.prompt_routes.shape == (batch, width, policy.routing.layers, 2)
+    real = s.prompt_mask.bool()
+    assert ((s.prompt_routes[real] >= 0) & (s.prompt_routes[real] < 8)).all()
+    ids, mask = policy.encode_prompts(["12", "1234567"])  # left padding on the shorter prompt
+    padded = policy.sample(ids, mask, max_new_tokens=2, temperature=0.0, top_p=1.0, generator=None)
+    assert (padded.prompt_routes[~mask.bool()] == NOT_RECORDED).all() and (~mask.bool()).any()
+    assert (padded.prompt_routes[mask.bool()] >= 0).all()
+    # the train path routes the prompt itself, and on this infer path's prompt almost always alike
+    with torch.no_grad():
+        policy.completion_logits(s.prompt_ids, s.prompt_mask, s.completion_ids, s.completion_mask, routes=s.routes,
+                                 replay=False)
+    for layer, own in enumerate(policy.routing.own):
+        mine = own.reshape(batch, -1, 2)[:, :width].cpu()
+        agree = same_set(mine, s.prompt_routes[:, :, layer].long())[real].float().mean()
+        assert agree > 0.9, (layer, float(agree))
