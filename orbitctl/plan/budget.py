@@ -116,6 +116,18 @@ def _rollout_working(profile, arch: ArchSpec, seqs: int) -> float:
     return float(tokens * per_token + seqs * arch.vocab_size * 10)
 
 
+ROUTE_INDEX_BYTES = 8
+"""A recorded expert index on the device: top-k's int64, as the router tape keeps it."""
+ROUTE_HOST_BYTES = 2
+"""A recorded expert index between rollout and update, on the host (int16)."""
+
+
+def routing_record(arch: ArchSpec, tokens: int, index_bytes: int = ROUTE_INDEX_BYTES) -> float:
+    """Bytes of the routing of ``tokens`` tokens: k expert indices per MoE layer each (0 on a dense model).
+    :mod:`orbitctl.model.router_replay` records it on the infer path and replays or compares it on the train path."""
+    return float(tokens * arch.moe_layers * arch.experts_per_token * index_bytes)
+
+
 def _layout_notes(arch: ArchSpec, layout: Layout, storage: BaseStorage) -> list[str]:
     """What expert parallelism does here, or why it does nothing."""
     p = layout.expert_parallel
@@ -233,6 +245,13 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
     }
     if separate and not asleep:
         phases["adapter_sync"]["rollout_kv_cache"] = int(kv)
+    if arch.is_moe and not separate:  # the trainer's own infer path records the routing, its update reads it
+        # the prompt's routing goes to the host after the prefill, before the decode steps record theirs
+        longest = max(prompt_tokens(profile), decoded_tokens(profile))
+        phases["rollout"]["routing_record"] = int(routing_record(arch, seqs * longest))
+        # the routing to replay, the router's own choice and (replaying) the experts run, for every MoE layer
+        copies = 3 if profile.rl.router_replay else 2
+        phases["policy_update"]["routing_record"] = int(copies * routing_record(arch, st.tokens))
     peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
 
     # ---- host RAM per node --------------------------------------------------------------------
@@ -243,6 +262,9 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
         "offloaded_base": int(host_base(storage, layout, gpn, nodes)),
         "sleeping_engine": int(engine * gpn) if asleep else 0,
         "load_path": int(4 * arch.largest_layer_params),
+        # the step's recorded routing waits on the host between rollout and update (int16 per index)
+        "routing_record": int(routing_record(arch, profile.rl.prompts_per_step * profile.rl.group_size
+                                             * decoded_tokens(profile), ROUTE_HOST_BYTES)),
     }
     capacity = gpu_capacity(profile, gpu_memory_bytes)
     return MemoryPlan(

@@ -36,6 +36,8 @@ COMPONENTS = {
     "rollout_activations": "prefill/decode working set",
     "engine_weights": "a separate inference engine's own weights",
     "adapter_sync": "full adapter gathered for the engine / checkpoint",
+    "routing_record": "MoE: each token's experts per MoE layer (k int64 indices): recorded while decoding; in the "
+                      "update the routing to replay, the router's own choice and the experts run (rl.router_replay)",
 }
 
 

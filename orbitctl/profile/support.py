@@ -110,6 +110,18 @@ _RULES: tuple[_Rule, ...] = (
     _Rule("quant.kernel", _MODEL_RUNNING, lambda v, p: v == "fused" and p.hardware.gpu != "cpu",
           "is the CPU's weight-only INT4 kernel, and this profile runs on a GPU, where the INT4 layers dequantize",
           "set quant.kernel: auto (fused on the CPU, dequantize on a GPU) or dequantize"),
+    _Rule("rl.router_replay", (TRAIN, VERIFY_INTERNAL), lambda v, p: v is True and not _is_moe(p),
+          "replays the experts a mixture-of-experts model routed each token to, and this model has no routed experts",
+          "set rl.router_replay: false"),
+    _Rule("rl.router_replay", (TRAIN,), lambda v, p: v is True and p.rollout.engine == "http"
+          and p.rollout.engine_api == "vllm",
+          "replays the experts the rollout engine routed each token to, and vLLM's completions return none",
+          "set rollout.engine_api: sglang (orbitctl serve, or SGLang started with --enable-return-routed-experts, "
+          "returns them), or rl.router_replay: false"),
+    _Rule("rl.router_replay", (TRAIN,), lambda v, p: v is True and (str(p.data.train).startswith("env:")
+                                                                    or p.rollout.max_turns != 1),
+          "replays the routing recorded for single completions, and an environment's episodes record none",
+          "set rl.router_replay: false for an environment"),
     _Rule("model.dtype", (TRAIN,),
           lambda v, p: "dtype" in p.model.model_fields_set and p.quant.compute_dtype != "auto"
           and v != p.quant.compute_dtype,
@@ -219,6 +231,17 @@ def refuse_unsupported(profile, command: str, given: Iterable[str] = ()) -> None
         only = found[0]
         raise UserError(f"{only.key}: {show_value(only.value)} {only.why}", fix=only.fix[:1].upper() + only.fix[1:])
     raise UserError("\n".join(item.render() for item in found))
+
+
+def _is_moe(profile) -> bool:
+    """Whether the profile's model has routed experts (True when its architecture cannot be read here: the command
+    that loads it reports that itself)."""
+    from orbitctl.arch import model_arch
+
+    try:
+        return model_arch(profile.model).is_moe
+    except Exception:  # noqa: BLE001 - an unreadable model is reported by the command that loads it
+        return True
 
 
 def _lookup(profile, key: str) -> Any:

@@ -10,7 +10,9 @@ Two wire protocols, chosen by ``rollout.engine_api``:
   ``POST /v1/completions`` with token-id prompts, ``"model": lora_name``, ``logprobs: 0`` and
   ``return_tokens_as_token_ids: true`` (each token named ``token_id:N``);
 - ``sglang``: ``POST /load_lora_adapter {lora_name, lora_path}``, ``POST /generate`` with ``input_ids``,
-  ``lora_path: lora_name``, ``return_logprob: true`` (``meta_info.output_token_logprobs``).
+  ``lora_path: lora_name``, ``return_logprob: true`` (``meta_info.output_token_logprobs``); on an MoE base
+  also ``return_routed_experts: true`` (``meta_info.routed_experts``: the experts each token was routed to,
+  which the update replays with ``rl.router_replay``).
 
 ``orbitctl serve`` speaks both, and is what train starts on loopback when ``rollout.engine_url`` is
 unset: with a fresh API key of its own and adapter loading fenced to the run's ``engine/`` directory.
@@ -24,6 +26,8 @@ state a rerun resumes from.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import os
@@ -36,8 +40,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from orbitctl.errors import RunFailed
+
+if TYPE_CHECKING:
+    import torch
 
 BACKOFF_S = 0.5
 """First wait before a retry; doubled each time, at most :data:`BACKOFF_MAX_S`."""
@@ -70,6 +78,9 @@ class Completion:
 
     ids: list[int]
     logprobs: list[float]
+    routes: "torch.Tensor | None" = None
+    """[len(ids), L_moe, k] int16 the experts each token was routed to on the engine (-1: none returned, as for the
+    last token); only when asked (``routed_experts``)."""
 
 
 class HttpEngine:
@@ -100,16 +111,23 @@ class HttpEngine:
 
     # -- sampling -----------------------------------------------------------------------------
     def sample(self, model: str, prompts: list[list[int]], *, n: int, max_tokens: int, temperature: float,
-               top_p: float, seed: int) -> list[Completion]:
-        """``n`` completions of every prompt, completion j of prompt i at ``i * n + j``."""
+               top_p: float, seed: int, routed_experts: tuple[int, int] | None = None) -> list[Completion]:
+        """``n`` completions of every prompt, completion j of prompt i at ``i * n + j``. ``routed_experts`` = (MoE
+        layers, top-k): also each token's experts (:attr:`Completion.routes`; SGLang's protocol only)."""
         if self.api == "vllm":
+            if routed_experts is not None:
+                raise ValueError("routed experts come back only over SGLang's protocol (rollout.engine_api: sglang)")
             body = {"model": model, "prompt": prompts, "n": n, "max_tokens": max_tokens, "temperature": temperature,
                     "top_p": top_p, "seed": seed, "logprobs": 0, "return_tokens_as_token_ids": True}
             return self._call("/v1/completions", body, "sampling", parse=lambda a: self._vllm(a, len(prompts) * n))
         body = {"input_ids": prompts, "lora_path": model, "return_logprob": True,
                 "sampling_params": {"max_new_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
                                     "n": n, "sampling_seed": seed}}
-        return self._call("/generate", body, "sampling", parse=lambda a: self._sglang(a, len(prompts) * n))
+        if routed_experts is not None:
+            body["return_routed_experts"] = True
+        lengths = [len(p) for p in prompts for _ in range(n)]
+        return self._call("/generate", body, "sampling",
+                          parse=lambda a: self._sglang(a, len(prompts) * n, lengths, routed_experts))
 
     def _vllm(self, answer, rows: int) -> list[Completion]:
         choices = answer.get("choices") if isinstance(answer, dict) else None
@@ -124,7 +142,8 @@ class HttpEngine:
             out.append(self._completion(ids, lp.get("token_logprobs")))
         return out
 
-    def _sglang(self, answer, rows: int) -> list[Completion]:
+    def _sglang(self, answer, rows: int, prompt_lengths: list[int] | None = None,
+                routed_experts: tuple[int, int] | None = None) -> list[Completion]:
         answers = [answer] if isinstance(answer, dict) else answer
         if not isinstance(answers, list) or len(answers) != rows:
             raise _Retry(f"{rows} results expected, got {_describe(answers)}")
@@ -136,7 +155,11 @@ class HttpEngine:
             if not isinstance(entries, list) or not all(isinstance(t, list) and len(t) in (2, 3) for t in entries):
                 raise _Retry("a result without meta_info.output_token_logprobs as [logprob, id, text] triples or "
                              "[logprob, id] pairs")
-            out.append(self._completion([t[1] for t in entries], [t[0] for t in entries]))
+            completion = self._completion([t[1] for t in entries], [t[0] for t in entries])
+            if routed_experts is not None:
+                completion.routes = parse_routed_experts(meta.get("routed_experts"), prompt_lengths[len(out)],
+                                                         len(completion.ids), *routed_experts)
+            out.append(completion)
         return out
 
     def _completion(self, ids, logprobs) -> Completion:
@@ -188,6 +211,41 @@ class HttpEngine:
         except (urllib.error.URLError, OSError) as exc:  # refused, reset, timed out
             reason = getattr(exc, "reason", exc)
             raise _Retry(f"{type(reason).__name__}: {reason}") from exc
+
+
+ROUTED_EXPERTS_FIX = "start SGLang with --enable-return-routed-experts"
+
+
+def parse_routed_experts(payload, prompt_tokens: int, tokens: int, layers: int, top_k: int) -> "torch.Tensor":
+    """SGLang's ``meta_info.routed_experts`` for a completion of ``tokens`` tokens after a prompt of
+    ``prompt_tokens``: base64 of little-endian int32 over the sequence's tokens but the last (prompt first), each
+    ``layers`` x ``top_k``. Returns the completion's part as [tokens, layers, top_k] int16, the last token's row
+    -1 (never routed: it was not fed back)."""
+    import numpy as np
+    import torch
+
+    from orbitctl.model.router_replay import NOT_RECORDED, ROUTE_DTYPE
+
+    where = "meta_info.routed_experts"
+    if not isinstance(payload, str):
+        raise _Retry(f"a result without {where} ({ROUTED_EXPERTS_FIX})")
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise _Retry(f"{where} that is not base64 ({ROUTED_EXPERTS_FIX})") from None
+    rows = max(prompt_tokens + tokens - 1, 0)
+    expected = rows * layers * top_k
+    if len(raw) != 4 * expected:
+        raise _Retry(f"{where} of {len(raw)} bytes, expected {4 * expected} ({rows} tokens x {layers} MoE layers x "
+                     f"top-{top_k} int32: {ROUTED_EXPERTS_FIX}, serving this profile's base)")
+    experts = np.frombuffer(raw, dtype="<i4").reshape(rows, layers, top_k)
+    most = torch.iinfo(ROUTE_DTYPE).max
+    if experts.size and (experts.min() < NOT_RECORDED or experts.max() > most):
+        raise _Retry(f"{where} holds an expert index outside {NOT_RECORDED}..{most}")
+    routes = torch.full((tokens, layers, top_k), NOT_RECORDED, dtype=ROUTE_DTYPE)
+    generated = experts[prompt_tokens:]
+    routes[:len(generated)] = torch.from_numpy(generated.astype(np.int16))
+    return routes
 
 
 def root_url(url: str) -> str:
@@ -326,12 +384,18 @@ def collect_http(engine: HttpEngine, model: str, policy, items, reward_fn, *, gr
     :func:`~orbitctl.model.draws.offset_seed` of the run's seed at its first prompt's keys (position x group
     size), so an engine drawing completion j of prompt i from key ``i * n + j`` of the seed (``orbitctl
     serve``) samples the tokens the shared engine would; another engine takes it as its own seed.
+
+    On an MoE base an SGLang-protocol engine also returns each token's experts, which become the batch's
+    ``routes`` (as the shared engine records them, the last token of each row not routed).
     """
     import torch
 
+    from orbitctl.model.router_replay import NOT_RECORDED, ROUTE_DTYPE
     from orbitctl.rl.rollout import _pad_left, rewarded
 
     start = time.perf_counter()
+    routing = policy.routing
+    routed = (routing.layers, routing.top_k) if routing is not None and engine.api == "sglang" else None
     expanded = [it for it in items for _ in range(group_size)]
     ids, mask = policy.encode_prompts([it.prompt for it in items])
     prompt_parts, completions = [], []
@@ -339,20 +403,26 @@ def collect_http(engine: HttpEngine, model: str, policy, items, reward_fn, *, gr
         rows = range(first, first + count)
         prompts = [ids[row][mask[row].bool()].tolist() for row in rows]
         completions += engine.sample(model, prompts, n=group_size, max_tokens=max_new_tokens, temperature=temperature,
-                                     top_p=top_p, seed=request_seed(seed, int(positions[first]), group_size, count))
+                                     top_p=top_p, seed=request_seed(seed, int(positions[first]), group_size, count),
+                                     routed_experts=routed)
         prompt_parts += [(ids[row:row + 1], mask[row:row + 1]) for row in rows for _ in range(group_size)]
     width = max(1, max(len(c.ids) for c in completions))
     pad = policy.pad_id
     completion_ids = torch.full((len(completions), width), pad, dtype=torch.long)
     completion_mask = torch.zeros((len(completions), width), dtype=torch.long)
     logprobs = torch.zeros((len(completions), width), dtype=torch.float32)
+    routes = None if routed is None else torch.full((len(completions), width, *routed), NOT_RECORDED,
+                                                    dtype=ROUTE_DTYPE)
     for row, c in enumerate(completions):
         k = min(len(c.ids), max_new_tokens)
         completion_ids[row, :k] = torch.tensor(c.ids[:k], dtype=torch.long)
         completion_mask[row, :k] = 1
         logprobs[row, :k] = torch.tensor(c.logprobs[:k], dtype=torch.float32)
+        if routes is not None:
+            routes[row, :k] = c.routes[:k]
     prompts = (_pad_left([p[0] for p in prompt_parts], pad), _pad_left([p[1] for p in prompt_parts], 0))
-    return rewarded(policy, expanded, prompts, (completion_ids, completion_mask), logprobs, None, reward_fn, start)
+    return rewarded(policy, expanded, prompts, (completion_ids, completion_mask), logprobs, None, reward_fn, start,
+                    routes=routes)
 
 
 # -- a started engine -----------------------------------------------------------------------------

@@ -172,8 +172,9 @@ def create_app(engine: Engine, *, max_body_bytes: int = MAX_BODY_BYTES, api_key:
                          for p in prompts)
         gens = engine.generate_batch(body.lora_path or engine.base_name, prompts, max_tokens=max_tokens,
                                      temperature=sp.temperature, top_p=sp.top_p, n=sp.n, seed=sp.sampling_seed,
-                                     top_logprobs=body.top_logprobs_num if body.return_logprob else 0, stop=[])
-        return responses.sglang_generate(gens, body.return_logprob, body.top_logprobs_num)
+                                     top_logprobs=body.top_logprobs_num if body.return_logprob else 0, stop=[],
+                                     routed_experts=body.return_routed_experts)
+        return responses.sglang_generate(gens, body.return_logprob, body.top_logprobs_num, body.return_routed_experts)
 
     def sglang_adapters() -> dict:
         """SGLang's answer to an adapter call: success and what is loaded now."""

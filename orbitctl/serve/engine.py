@@ -14,10 +14,14 @@ from __future__ import annotations
 import contextlib
 import secrets
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from orbitctl.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestError(UserError):
@@ -61,6 +65,9 @@ class Choice:
     text: str
     tokens: list[TokenInfo]
     finish_reason: str
+    routed_experts: "torch.Tensor | None" = None
+    """When asked of an MoE base: [prompt tokens + completion tokens - 1, L_moe, k] the experts each token of the
+    sequence but the last was routed to on the infer path (the prompt's at prefill, then the completion's)."""
 
 
 @dataclass(frozen=True)
@@ -219,13 +226,18 @@ class Engine:
                                    n=n, seed=seed, top_logprobs=top_logprobs, stop=stop)[0]
 
     def generate_batch(self, model: str, prompts: list[list[int]], *, max_tokens: int, temperature: float,
-                       top_p: float, n: int, seed: int | None, top_logprobs: int, stop: list[str]) -> list[Generation]:
+                       top_p: float, n: int, seed: int | None, top_logprobs: int, stop: list[str],
+                       routed_experts: bool = False) -> list[Generation]:
         """``n`` completions of each prompt, decoded as one left-padded batch (as the trainer decodes a rollout
-        chunk); completion j of prompt i draws from key ``i * n + j`` of ``seed``."""
+        chunk); completion j of prompt i draws from key ``i * n + j`` of ``seed``. ``routed_experts``: every
+        choice carries its sequence's routing (:attr:`Choice.routed_experts`; an MoE base only)."""
         import torch
 
         from orbitctl.model.draws import KeyedDraws
 
+        if routed_experts and self.policy.routing is None:
+            raise RequestError("return_routed_experts: this server's base is a dense model (no MoE router), so "
+                               "there are no routed experts to return; leave it false", param="return_routed_experts")
         seed = secrets.randbelow(2**63) if seed is None else seed
         rows = [p for p in prompts for _ in range(n)]
         width = max(len(p) for p in rows)
@@ -237,10 +249,18 @@ class Engine:
                 out = self.policy.sample(ids, mask, max_new_tokens=max_tokens, temperature=temperature,
                                          top_p=top_p, generator=None, keep_dist=top_logprobs > 0,
                                          draws=KeyedDraws(seed, tuple(range(len(rows)))) if temperature > 0 else None)
-        return [Generation(model, list(p), [self._choice(out, i * n + j, top_logprobs, stop, max_tokens)
-                                            for j in range(n)], seed) for i, p in enumerate(prompts)]
+        return [Generation(model, list(p), [self._choice(out, i * n + j, top_logprobs, stop, max_tokens,
+                                                         routed_experts) for j in range(n)], seed)
+                for i, p in enumerate(prompts)]
 
-    def _choice(self, out, row: int, top_logprobs: int, stop: list[str], max_tokens: int) -> Choice:
+    def _choice(self, out, row: int, top_logprobs: int, stop: list[str], max_tokens: int,
+                routed_experts: bool = False) -> Choice:
+        choice = self._text_choice(out, row, top_logprobs, stop, max_tokens)
+        if not routed_experts:
+            return choice
+        return replace(choice, routed_experts=_sequence_routes(out, row, len(choice.tokens)))
+
+    def _text_choice(self, out, row: int, top_logprobs: int, stop: list[str], max_tokens: int) -> Choice:
         tokenizer = self.policy.tokenizer
         kept = int(out.completion_mask[row].sum())
         ids = out.completion_ids[row, :kept].tolist()
@@ -263,3 +283,12 @@ class Engine:
             tokens = [t for t in tokens if t.offset < cut]
             return Choice(text[:cut], tokens, "stop")
         return Choice(text, tokens, "stop" if ended or kept < max_tokens else "length")
+
+
+def _sequence_routes(out, row: int, tokens: int) -> "torch.Tensor":
+    """Row ``row``'s routing as SGLang returns it, [P + tokens - 1, L, k]: its real prompt tokens' (recorded at
+    prefill, the left padding dropped), then its first ``tokens - 1`` completion tokens' (the last is never fed)."""
+    import torch
+
+    prompt = out.prompt_routes[row][out.prompt_mask[row].bool()]
+    return torch.cat([prompt, out.routes[row, :max(tokens - 1, 0)]], dim=0)

@@ -145,6 +145,9 @@ class SGLangGenerateRequest(BaseModel):
     """A loaded adapter's name (SGLang selects adapters by the name given at load); unset = the base."""
     stream: Literal[False] = False
     """Streaming the native route is not supported; only false is accepted."""
+    return_routed_experts: bool = False
+    """SGLang's option: ``meta_info.routed_experts`` on every result, the experts each token of the sequence but
+    the last was routed to (an MoE base only; base64 of little-endian int32, (token, MoE layer, slot) order)."""
 
     def batch(self) -> list[list[int]]:
         """``input_ids`` as a list of prompts."""

@@ -8,6 +8,7 @@ generated), so a trainer can use the exact tokens without re-tokenizing the text
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 
@@ -62,9 +63,11 @@ def completion(gens: Generation | list[Generation], logprobs: int | None, as_ids
     return {**body, "usage": {k: sum(u[k] for u in usage) for k in usage[0]}}
 
 
-def sglang_generate(gens: list[Generation], return_logprob: bool, top: int) -> dict | list[dict]:
+def sglang_generate(gens: list[Generation], return_logprob: bool, top: int,
+                    routed_experts: bool = False) -> dict | list[dict]:
     """SGLang's ``/generate`` answer: one object for one prompt and one completion, else a list (completion j
-    of prompt i at ``i * n + j``); log-probs as ``[logprob, id, text]`` triples in ``meta_info``."""
+    of prompt i at ``i * n + j``); log-probs as ``[logprob, id, text]`` triples in ``meta_info``, and with
+    ``routed_experts`` each sequence's routing (:func:`routed_experts_payload`) as ``meta_info.routed_experts``."""
     out = []
     for gen in gens:
         for c in gen.choices:
@@ -74,8 +77,15 @@ def sglang_generate(gens: list[Generation], return_logprob: bool, top: int) -> d
                 meta["output_token_logprobs"] = [[t.logprob, t.id, t.token] for t in c.tokens]
                 meta["output_top_logprobs"] = [[[v, i, s] for i, (s, v) in zip(t.top_ids, t.top)] for t in c.tokens] \
                     if top else None
+            if routed_experts:
+                meta["routed_experts"] = routed_experts_payload(c.routed_experts)
             out.append({"text": c.text, "output_ids": [t.id for t in c.tokens], "meta_info": meta})
     return out[0] if len(out) == 1 else out
+
+
+def routed_experts_payload(routes) -> str:
+    """SGLang's ``routed_experts``: a routing [N, L, k] as base64 of little-endian int32, (token, layer, slot) order."""
+    return base64.b64encode(routes.numpy().astype("<i4").tobytes()).decode("ascii")
 
 
 def chat(gen: Generation, logprobs: bool) -> dict:

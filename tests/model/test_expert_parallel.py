@@ -129,3 +129,65 @@ def test_each_rank_reads_only_its_experts(tmp_path):
         assert rank["model_bytes"] <= (total - routed) + routed / 2 + 2**20
         assert rank["rss_rise"] <= rank["model_bytes"] + fixed + 16 * 2**20, (rank, whole)  # read nothing else
         assert rank["rss_rise"] <= 0.6 * total + fixed, (rank, whole)
+
+
+def _replay_worker(rank: int, path: str, store: str, out: str) -> None:
+    """Router replay under EP 2: both ranks replay a given routing for their batch's last 6 tokens; the whole model
+    on one rank replays the same. The floor as above: the whole model on this rank's batch alone against it inside
+    both ranks' batches (each replaying its own rows' routing)."""
+    import torch.distributed as dist
+
+    from orbitctl.model.expert_parallel import ExpertGroup
+    from orbitctl.model.frozen_base import load_frozen_base
+    from orbitctl.model.router_replay import RouterTape
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        group = ExpertGroup.of_world(WORLD)
+        whole = load_frozen_base(path, compute_dtype=torch.float32)
+        split = load_frozen_base(path, compute_dtype=torch.float32, experts=group)
+        tapes = {"whole": RouterTape.attach(whole), "split": RouterTape.attach(split)}
+        batches = _batches(whole.config.vocab_size)
+        g = torch.Generator().manual_seed(11)
+        routes = []
+        for _ in range(WORLD):  # two distinct experts per token, any of the 8 (the other rank's too)
+            first = torch.randint(0, 8, (3, 6, tapes["whole"].layers, 1), generator=g)
+            routes.append(torch.cat([first, (first + torch.randint(1, 8, first.shape, generator=g)) % 8], -1)
+                          .to(torch.int16))
+
+        def replayed(model, tape, ids, route):
+            tape.follow(route, ids.shape[1] - 6, replay=True)
+            with torch.no_grad():
+                logits = model(input_ids=ids, use_cache=False).logits
+            ran = all(torch.equal(r.reshape(ids.shape[0], -1, 2)[:, -6:], route[:, :, i].long())
+                      for i, r in enumerate(tape.replayed))
+            return logits, ran
+
+        ref, ref_ran = replayed(whole, tapes["whole"], batches[rank], routes[rank])
+        together, _ = replayed(whole, tapes["whole"], torch.cat(batches), torch.cat(routes))
+        floor = float((together[rank * 3:(rank + 1) * 3] - ref).abs().max())
+        ep, ep_ran = replayed(split, tapes["split"], batches[rank], routes[rank])
+        tapes["whole"].off()
+        with torch.no_grad():
+            unreplayed = whole(input_ids=batches[rank], use_cache=False).logits
+        Path(out, f"replay{rank}.json").write_text(json.dumps({
+            "floor": floor, "err": float((ep - ref).abs().max()), "logit_absmax": float(ref.abs().max()),
+            "ran": ref_ran and ep_ran, "replay_moves": float((unreplayed - ref)[:, -6:].abs().max())}))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ep2_replays_a_routing_like_one_rank_within_the_floor(tmp_path, int4_moe):
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_replay_worker, args=(str(int4_moe), str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD,
+                       start_method="spawn")
+    eps = torch.finfo(torch.float32).eps
+    for rank in range(WORLD):
+        r = json.loads((tmp_path / f"replay{rank}.json").read_text())
+        assert r["ran"], r  # both the split and the whole model ran exactly the replayed experts
+        tol = 4 * max(r["floor"], 4 * eps * r["logit_absmax"])
+        assert r["err"] <= tol, r
+        assert r["replay_moves"] > 100 * tol, r  # the replayed routing is not the model's own: it changes the logits

@@ -187,3 +187,59 @@ def test_the_prompts_routing_is_recorded_at_prefill_and_padding_is_not(fp8_moe_p
         mine = own.reshape(batch, -1, 2)[:, :width].cpu()
         agree = same_set(mine, s.prompt_routes[:, :, layer].long())[real].float().mean()
         assert agree > 0.9, (layer, float(agree))
+
+
+def test_the_plan_counts_the_routing_the_tape_holds(fp8_moe_policy):
+    """Per token the plan's routing record is what the tape holds on the device: k int64 indices per MoE layer while
+    decoding, and in the update the routing to replay, the router's own choice and the experts run."""
+    from orbitctl.arch import model_arch
+    from orbitctl.plan.budget import routing_record
+    from orbitctl.profile import load_profile
+
+    policy, s = fp8_moe_policy
+    tape = policy.routing
+    arch = model_arch(load_profile(ROOT / "profiles" / "tiny-moe-cpu.yaml").model)
+    held = []
+    take = tape.take
+
+    def measured_take(*args, **kwargs):
+        held.append((sum(c.numel() for calls in tape._recorded for c in calls) // (tape.layers * tape.top_k),
+                     sum(c.nbytes for calls in tape._recorded for c in calls)))
+        return take(*args, **kwargs)
+
+    tape.take = measured_take
+    try:
+        ids, mask = policy.encode_prompts(["1234", "56"])
+        policy.sample(ids, mask, max_new_tokens=6, temperature=1.0, top_p=1.0,
+                      generator=torch.Generator().manual_seed(0))
+    finally:
+        del tape.take
+    tokens, nbytes = held[0]
+    assert tokens > 0 and nbytes == routing_record(arch, tokens)
+    batch, width = s.completion_ids.shape
+    with torch.no_grad():
+        policy.completion_logits(s.prompt_ids, s.prompt_mask, s.completion_ids, s.completion_mask, routes=s.routes,
+                                 replay=True)
+    rows = batch * (s.prompt_ids.shape[1] + width)
+    kept = sum(t.nbytes for group in (tape._replay, tape.own, tape.replayed) for t in group)
+    assert kept == 3 * routing_record(arch, rows)
+
+
+@pytest.mark.parametrize("profile, sets, refused", [
+    ("tiny-cpu.yaml", [], True),                                                   # a dense model: nothing to replay
+    ("tiny-cpu-http.yaml", ["model.arch=tiny-moe"], True),                         # vLLM returns no routed experts
+    ("tiny-cpu-http.yaml", ["model.arch=tiny-moe", "rollout.engine_api=sglang"], False),
+    ("tiny-moe-cpu.yaml", [], False),
+])
+def test_router_replay_is_refused_where_it_would_do_nothing(profile, sets, refused, tmp_path, one_error_line):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "orbitctl.cli.app", "train", str(ROOT / "profiles" / profile),
+                           "--dry-run", "--set", "rl.router_replay=true", *[a for s in sets for a in ("--set", s)]],
+                          capture_output=True, text=True, cwd=tmp_path)
+    if refused:
+        assert done.returncode == 2
+        one_error_line(done.stderr, "rl.router_replay")
+    else:
+        assert done.returncode == 0, done.stderr
