@@ -385,8 +385,10 @@ def collect_http(engine: HttpEngine, model: str, policy, items, reward_fn, *, gr
     size), so an engine drawing completion j of prompt i from key ``i * n + j`` of the seed (``orbitctl
     serve``) samples the tokens the shared engine would; another engine takes it as its own seed.
 
-    On an MoE base an SGLang-protocol engine also returns each token's experts, which become the batch's
-    ``routes`` (as the shared engine records them, the last token of each row not routed).
+    With ``rl.router_replay`` (``policy.router_replay``) on an MoE base, an SGLang-protocol engine also returns
+    each token's experts, which become the batch's ``routes`` (as the shared engine records them, the last token
+    of each row not routed). Without it nothing is asked: an SGLang started without
+    ``--enable-return-routed-experts`` serves such a run.
     """
     import torch
 
@@ -395,7 +397,8 @@ def collect_http(engine: HttpEngine, model: str, policy, items, reward_fn, *, gr
 
     start = time.perf_counter()
     routing = policy.routing
-    routed = (routing.layers, routing.top_k) if routing is not None and engine.api == "sglang" else None
+    routed = (routing.layers, routing.top_k) \
+        if routing is not None and policy.router_replay and engine.api == "sglang" else None
     expanded = [it for it in items for _ in range(group_size)]
     ids, mask = policy.encode_prompts([it.prompt for it in items])
     prompt_parts, completions = [], []

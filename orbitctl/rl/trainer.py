@@ -376,6 +376,7 @@ def _record(step, batch, rollout_stats, upd, first_of_rollout, lr, samples_seen)
         "mismatch_prob_abs_mean": stats.get("mismatch_prob_abs_mean"),
         "routing_agreement": stats.get("routing_agreement"),  # MoE: sampled tokens with the same top-k on both paths
         "routing_agreement_min_layer": stats.get("routing_agreement_min_layer"),
+        "routing_agreement_per_layer": stats.get("routing_agreement_per_layer"),
         "is_ratio_mean": stats.get("is_ratio_mean"),
         "is_ratio_max": stats.get("is_ratio_max"),
         "is_ratio_min": -stats["neg_is_ratio_min"] if "neg_is_ratio_min" in stats else None,

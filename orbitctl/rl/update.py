@@ -51,6 +51,7 @@ class StepStats:
             layers = [v for v in self.agreement.per_layer() if v is not None]
             out["routing_agreement"] = self.agreement.overall
             out["routing_agreement_min_layer"] = min(layers)
+            out["routing_agreement_per_layer"] = self.agreement.per_layer()
         return out
 
 

@@ -243,3 +243,44 @@ def test_router_replay_is_refused_where_it_would_do_nothing(profile, sets, refus
         one_error_line(done.stderr, "rl.router_replay")
     else:
         assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_the_update_reports_routing_agreement_and_replays_what_it_is_told(fp8_moe_policy, replay):
+    """One micro-batch of the update's loss on the recorded batch: its step statistics carry the agreement of the
+    train path's own routing with the rollout's (below 1 with fp8 KV on the infer path), and with
+    ``rl.router_replay`` its forward ran the recorded experts."""
+    from orbitctl.profile import load_profile
+    from orbitctl.rl.update import StepStats, micro_loss
+
+    policy, s = fp8_moe_policy
+    profile = load_profile(ROOT / "profiles" / "tiny-moe-cpu.yaml",
+                           ["memory.expert_parallel=1", "hardware.gpus_per_node=1", "rl.align_loss.weight=0",
+                            f"rl.router_replay={str(replay).lower()}"])
+    rows = slice(0, 256)
+    mb = {"prompt_ids": s.prompt_ids[rows], "prompt_mask": s.prompt_mask[rows],
+          "completion_ids": s.completion_ids[rows], "completion_mask": s.completion_mask[rows],
+          "attention": s.completion_mask[rows], "infer_logp": s.logprobs[rows],
+          "adv": torch.randn(256, generator=torch.Generator().manual_seed(0))[:, None].expand(-1, s.routes.shape[1]),
+          "dist": None, "old_logp": None, "routes": s.routes[rows]}
+    stats = StepStats()
+    policy.router_replay = replay
+    try:
+        loss = micro_loss(policy, mb, profile, float(s.completion_mask[rows].sum()), stats)
+        loss.backward()
+    finally:
+        policy.router_replay = False
+        policy.model.zero_grad(set_to_none=True)
+    means = stats.means()
+    expected = policy.routing_agreement(s.routes[rows], s.prompt_ids.shape[1], s.completion_mask[rows])
+    assert means["routing_agreement"] == expected.overall < 1.0
+    assert means["routing_agreement_per_layer"] == expected.per_layer()
+    assert means["routing_agreement_min_layer"] == min(expected.per_layer())
+    ran = policy.routing.replayed
+    if not replay:
+        assert all(r is None for r in ran)
+        return
+    recorded = (s.routes[rows] >= 0).all(-1)
+    for layer, experts in enumerate(ran):
+        experts = experts.reshape(256, -1, 2)[:, s.prompt_ids.shape[1]:].cpu()
+        assert torch.equal(experts[recorded[:, :, layer]], s.routes[rows][:, :, layer].long()[recorded[:, :, layer]])
