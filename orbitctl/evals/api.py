@@ -112,9 +112,10 @@ def evaluate(profile_path: str | None, overrides: list[str], *, suite: str = "hu
         raise UserError(f"--limit {limit}: evaluates the first N tasks", fix="Use --limit 1 or more")
     profile = None
     if profile_path is not None:
+        from orbitctl.plan import resolve_rollout_batch
         from orbitctl.profile import load_profile
 
-        profile = load_profile(profile_path, overrides)
+        profile = resolve_rollout_batch(load_profile(profile_path, overrides))
     task_suite = load_suite(suite, data=data, profile=profile, timeout_s=timeout_s)
     ids = task_suite.task_ids()
     kept = len(ids) if limit is None else min(limit, len(ids))

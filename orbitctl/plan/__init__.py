@@ -23,8 +23,8 @@ from orbitctl.plan.budget import evaluate, prepare
 from orbitctl.plan.comm import COMM_TERMS
 from orbitctl.plan.result import COMPONENTS, PHASES, Advice, MemoryPlan
 
-__all__ = ["plan_profile", "plan_sweep", "apply_changes", "measure_profile", "compare_profile", "MemoryPlan", "Advice",
-           "COMPONENTS", "COMM_TERMS", "PHASES"]
+__all__ = ["plan_profile", "plan_sweep", "apply_changes", "measure_profile", "compare_profile", "resolve_rollout_batch",
+           "auto_rollout_batch", "MemoryPlan", "Advice", "COMPONENTS", "COMM_TERMS", "PHASES"]
 
 
 @lru_cache(maxsize=32)
@@ -77,13 +77,57 @@ def _searched(profile, inputs, gpu_memory_bytes: int | None) -> MemoryPlan:
     return plan
 
 
+def step_sequences_per_gpu(profile) -> int:
+    """Completions one RL step samples on each GPU (rank): prompts x group over the ranks, rounded up."""
+    return -(-profile.rl.prompts_per_step * profile.rl.group_size // profile.world_size)
+
+
+def auto_rollout_batch(profile, *, gpu_memory_bytes: int | None = None) -> int:
+    """The sequences per GPU ``rollout.batch_size: auto`` decodes at once: the most whose rollout phase fits the
+    usable memory, at most the step's sequences per GPU (more would decode nothing), at least 1.
+
+    Every rollout term that grows with the batch (KV cache, the prefill's working set and all-to-all
+    buffers, sampling logits, the routing record) is linear in it, so two plans give the line and a
+    third checks its answer; a batch that does not fit then shrinks until it does."""
+    arch = _arch(profile)
+
+    def rollout(n: int) -> tuple[int, int]:
+        other = apply_changes(profile, {"rollout.batch_size": n})
+        plan = evaluate(other, prepare(other, arch), gpu_memory_bytes=gpu_memory_bytes)
+        return sum(plan.phases["rollout"].values()), plan.usable_bytes
+
+    cap = step_sequences_per_gpu(profile)
+    one, usable = rollout(1)
+    per = rollout(2)[0] - one
+    n = cap if per <= 0 else min(cap, max(1, int((usable - one) // per) + 1))
+    while n > 1 and rollout(n)[0] > usable:
+        n = max(1, n * 9 // 10 if n > 10 else n - 1)
+    return n
+
+
+def resolve_rollout_batch(profile, *, gpu_memory_bytes: int | None = None):
+    """``profile`` with ``rollout.batch_size: auto`` replaced by :func:`auto_rollout_batch`'s number (the profile
+    itself otherwise): what train, eval and the plan decode with."""
+    if profile.rollout.batch_size != "auto":
+        return profile
+    return apply_changes(profile, {"rollout.batch_size": auto_rollout_batch(profile, gpu_memory_bytes=gpu_memory_bytes)})
+
+
 def plan_profile(profile, *, gpu_memory_bytes: int | None = None, with_advice: bool = True) -> MemoryPlan:
     """Plan a validated Profile; ``gpu_memory_bytes`` overrides the per-GPU capacity (e.g. free memory now).
 
     With advice it also compares the base layouts (expert parallelism x dense layout) by peak and
-    by the bytes one RL step sends: ``plan.layouts``."""
+    by the bytes one RL step sends: ``plan.layouts``. ``rollout.batch_size: auto`` is planned at the number it
+    resolves to (:func:`resolve_rollout_batch`)."""
+    auto = profile.rollout.batch_size == "auto"
+    profile = resolve_rollout_batch(profile, gpu_memory_bytes=gpu_memory_bytes)
     arch = _arch(profile)
     plan = _searched(profile, prepare(profile, arch), gpu_memory_bytes)
+    if auto:
+        seqs = profile.rollout.batch_size
+        plan.details["rollout_batch_size_auto"] = seqs
+        plan.notes.append(f"rollout.batch_size auto: {seqs} sequences decoded at once per GPU (the most the rollout "
+                          f"phase fits, at most the step's {step_sequences_per_gpu(profile)})")
     if with_advice:
         def replan(change: dict[str, Any], search: bool = False) -> MemoryPlan | None:
             try:
@@ -95,11 +139,37 @@ def plan_profile(profile, *, gpu_memory_bytes: int | None = None, with_advice: b
                 return _searched(other, inputs, gpu_memory_bytes)
             return evaluate(other, inputs, gpu_memory_bytes=gpu_memory_bytes)
 
-        plan.advice = advise(profile, plan, arch, replan)
+        plan.advice = advise(profile, plan, arch, replan) + _rollout_batch_advice(profile, plan, gpu_memory_bytes, auto)
         plan.layouts = compare_layouts(profile, plan, arch, lambda change: replan(change, search=True))
         plan.notes += layout_notes(plan.layouts)
         plan.nodes = compare_nodes(profile, plan, lambda change: replan(change))
     return plan
+
+
+def _rollout_batch_advice(profile, plan: MemoryPlan, gpu_memory_bytes: int | None, auto: bool) -> list[Advice]:
+    """Where the rollout phase has room for more sequences than the profile decodes at once: ``rollout.batch_size:
+    auto``, with the rollout time it predicts (fewer rounds of the same decode steps)."""
+    if auto or not plan.fits:
+        return []
+    now = profile.rollout_batch_size
+    room = auto_rollout_batch(profile, gpu_memory_bytes=gpu_memory_bytes)
+    if room <= now:
+        return []
+    other = plan_profile(apply_changes(profile, {"rollout.batch_size": room}), gpu_memory_bytes=gpu_memory_bytes,
+                         with_advice=False)
+    if not other.fits:
+        return []
+    before, after = plan.timing.phases["rollout"].seconds, other.timing.phases["rollout"].seconds
+    text = (f"decode {room} sequences at once per GPU instead of {now} (rollout.batch_size: auto, what the rollout "
+            f"phase has room for): rollout {_duration(before)} -> {_duration(after)} per step; peak "
+            f"{other.peak_bytes / 2**30:.1f} GiB (fits)")
+    return [Advice({"rollout.batch_size": "auto"}, text, other.peak_bytes, True)]
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.3g} s"
 
 
 def plan_sweep(profile, sweeps: list[tuple[str, list[Any]]], *, gpu_memory_bytes: int | None = None) -> list[dict]:

@@ -116,6 +116,10 @@ def run_plan(path: str | None, overrides: list[str] | tuple[str, ...] = (), *, s
         from orbitctl.plan import compare_profile
 
         run.comparison = compare_profile(profile, axes, gpu_memory_bytes=gpu_memory_bytes)
+    if measure or measure_time:
+        from orbitctl.plan import resolve_rollout_batch
+
+        profile = resolve_rollout_batch(profile, gpu_memory_bytes=gpu_memory_bytes)
     if measure:
         from orbitctl.plan.measure import calibrate, measure_profile
 

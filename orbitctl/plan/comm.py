@@ -73,7 +73,10 @@ class StepShape:
 
 
 def rollout_batch(profile, micro_batch: int) -> int:
-    """Sequences decoded at once per GPU: rollout.batch_size, else micro-batch x group size."""
+    """Sequences decoded at once per GPU: rollout.batch_size, else micro-batch x group size (``auto`` is resolved
+    before planning: :func:`orbitctl.plan.resolve_rollout_batch`)."""
+    if profile.rollout.batch_size == "auto":
+        raise ValueError("rollout.batch_size: auto reached the formulas unresolved")
     return profile.rollout.batch_size or micro_batch * profile.rl.group_size
 
 

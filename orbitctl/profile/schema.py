@@ -13,7 +13,7 @@ import ast
 import inspect
 from functools import cache
 from pathlib import Path
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -337,8 +337,9 @@ class RolloutSection(Section):
     """Sampling temperature; 0 is greedy."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass."""
-    batch_size: int | None = Field(None, ge=1)
-    """Sequences decoded at once per GPU; unset = micro_batch_size x group_size."""
+    batch_size: Union[Annotated[int, Field(ge=1)], Literal["auto"], None] = None
+    """Sequences decoded at once per GPU; unset = micro_batch_size x group_size; auto = the most whose rollout phase
+    fits the GPU by the plan (KV cache, prefill, routing record), at most the step's sequences per GPU."""
     kv_dtype: Literal["bf16", "fp8"] = "bf16"
     """KV-cache dtype of the inference path: fp8 keeps K/V (MLA: the latent) in float8 e4m3 with one fp32 scale
     per token and KV head, on the infer path of train, verify-alignment, eval and serve."""
@@ -495,6 +496,10 @@ class Profile(Section):
 
     @property
     def rollout_batch_size(self) -> int:
+        """Sequences decoded at once per GPU; ``rollout.batch_size: auto`` is resolved by the plan first
+        (:func:`orbitctl.plan.resolve_rollout_batch`)."""
+        if self.rollout.batch_size == "auto":
+            raise ValueError("rollout.batch_size: auto is resolved by orbitctl.plan.resolve_rollout_batch first")
         return self.rollout.batch_size or self.memory.micro_batch_size * self.rl.group_size
 
     def derived(self) -> dict:
@@ -503,7 +508,8 @@ class Profile(Section):
         return {
             "world_size": self.world_size,
             "global_batch_size": self.global_batch_size,
-            "rollout_batch_size": self.rollout_batch_size,
+            "rollout_batch_size": "auto (orbitctl plan computes it)" if self.rollout.batch_size == "auto"
+            else self.rollout_batch_size,
             "adapter_alpha": self.adapter.alpha if self.adapter.alpha is not None else (
                 2 * self.adapter.rank if isinstance(self.adapter.rank, int) else "2 x rank"),
             "gpu_memory_bytes": int(mem),

@@ -109,6 +109,7 @@ def run_loop(profile, fresh, emit, rank, world, torch, closing) -> TrainResult:
     """The loop itself, on one rank of an initialised process group (:func:`orbitctl.rl.api.train` sets it up);
     ``closing`` (an ExitStack) ends what the loop starts, such as an http engine, when the run ends."""
     from orbitctl.builder import load_policy, prepare_frozen_base
+    from orbitctl.plan import resolve_rollout_batch
     from orbitctl.quant.report import quant_summary
     from orbitctl.rl import checkpoint as ckpt
     from orbitctl.data.prompts import PromptStream, load_prompts
@@ -121,6 +122,7 @@ def run_loop(profile, fresh, emit, rank, world, torch, closing) -> TrainResult:
     from orbitctl.rl.update import run_update
 
     wall_start = time.perf_counter()
+    profile = resolve_rollout_batch(profile)  # rollout.batch_size: auto -> the plan's number, the same on every rank
     run = RunDir(profile.run_dir)
     run_dir = run.root
     env = _environment(profile)  # bad data fails here, before any work

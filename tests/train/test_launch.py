@@ -168,3 +168,25 @@ def test_two_ranks_train_the_adapter_one_rank_trains(tmp_path):
     ulps = 3 * 4 * torch.finfo(torch.float32).eps * largest
     floor = gap("one", "regrouped")
     assert gap("two", "one") <= 8 * max(floor, ulps), (gap("two", "one"), floor, ulps)
+
+
+def test_two_ranks_report_routing_agreement_and_replay_it(tmp_path):
+    """Router replay on 2 expert-parallel ranks: every step reports the routing agreement of the update's own
+    routing with the rollout's, per MoE layer; an fp8 KV cache on the infer path makes them differ, the same
+    kernels on both paths keep them together (the paths differ by the kernel floor only)."""
+    runs = {"fp8_replay": {"rollout.kv_dtype": "fp8", "rl.router_replay": True},
+            "bf16": {"rl.router_replay": False}}
+    for name, overrides in runs.items():
+        done = _train(moe_profile(tmp_path, name, **{"rl.steps": 3, **overrides}), "--json")
+        assert done.returncode == 0, (name, done.stderr[-3000:])
+    seen = {}
+    for name in runs:
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in records if "routing_agreement" in r and r.get("step")]
+        assert len(steps) == 3, (name, records)
+        for r in steps:
+            per_layer = r["routing_agreement_per_layer"]
+            assert len(per_layer) == 2 and r["routing_agreement_min_layer"] == min(per_layer)
+            assert 0.5 < r["routing_agreement"] <= 1.0
+        seen[name] = min(r["routing_agreement"] for r in steps)
+    assert seen["bf16"] > 0.99
