@@ -11,7 +11,7 @@ Two wire protocols, chosen by ``rollout.engine_api``:
   ``return_tokens_as_token_ids: true`` (each token named ``token_id:N``);
 - ``sglang``: ``POST /load_lora_adapter {lora_name, lora_path}``, ``POST /generate`` with ``input_ids``,
   ``lora_path: lora_name``, ``return_logprob: true`` (``meta_info.output_token_logprobs``); on an MoE base
-  also ``return_routed_experts: true`` (``meta_info.routed_experts``: the experts each token was routed to,
+  with ``rl.router_replay`` also ``return_routed_experts: true`` (``meta_info.routed_experts``: the experts each token was routed to,
   which the update replays with ``rl.router_replay``).
 
 ``orbitctl serve`` speaks both, and is what train starts on loopback when ``rollout.engine_url`` is
