@@ -86,6 +86,12 @@ def decoded_tokens(profile) -> int:
     return profile.rollout.max_new_tokens * profile.rollout.max_turns
 
 
+def decode_forwards(profile) -> int:
+    """Decode-step forwards per rollout sequence: each sampled token is fed back but a turn's last (its logits would
+    predict nothing kept: :meth:`orbitctl.model.policy.Policy.sample` stops there)."""
+    return (profile.rollout.max_new_tokens - 1) * profile.rollout.max_turns
+
+
 def prompt_tokens(profile) -> int:
     """Prompt tokens of one rollout sequence: what the completion leaves of seq_len (at least 1)."""
     return max(1, profile.memory.seq_len - decoded_tokens(profile))
@@ -102,7 +108,7 @@ def step_shape(profile, micro_batch: int | None = None) -> StepShape:
     old_logprobs = per_epoch if rl.ppo_epochs * rl.minibatches > 1 else 0
     reference = micro if rl.kl_ref_coef > 0 else 0
     return StepShape(
-        sequences=sequences, rollout_rounds=math.ceil(sequences / batch), rollout_forwards=1 + decoded_tokens(profile),
+        sequences=sequences, rollout_rounds=math.ceil(sequences / batch), rollout_forwards=1 + decode_forwards(profile),
         prefill_tokens=sequences * prompt_tokens(profile), decode_tokens=sequences * decoded_tokens(profile),
         micro_batches=micro, no_grad_passes=old_logprobs + reference, tokens_per_micro_batch=mb * mem.seq_len,
         optimizer_steps=rl.ppo_epochs * rl.minibatches, recompute=mem.gradient_checkpointing)
@@ -188,7 +194,8 @@ def communication(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout,
         per_token = 0.0
     train_passes = shape.micro_batches * (2 + shape.recompute) + shape.no_grad_passes  # forward, recompute, backward
     a2a_train = 2 * per_token * shape.tokens_per_micro_batch * train_passes
-    a2a_rollout = 2 * per_token * (shape.prefill_tokens + shape.decode_tokens) if shared_engine else 0.0
+    fed = shape.sequences * decode_forwards(profile)  # decode steps feed every sampled token back but a turn's last
+    a2a_rollout = 2 * per_token * (shape.prefill_tokens + fed) if shared_engine else 0.0
 
     # adapter gradients: stages 0-1 reduce once per optimizer step (all-reduce; stage 1 as reduce-scatter +
     # all-gather of the updated weights), 2-3 reduce-scatter every micro-batch, 2 all-gathers the update

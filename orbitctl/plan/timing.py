@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from orbitctl.arch.spec import EXPERT, ArchSpec
-from orbitctl.plan.comm import Communication, decoded_tokens, prompt_tokens, rollout_batch
+from orbitctl.plan.comm import Communication, decode_forwards, decoded_tokens, prompt_tokens, rollout_batch
 from orbitctl.plan.layout import Layout
 from orbitctl.plan.ops import (BACKWARD_OPS, OPS_LOSS, OPS_OPTIMIZER, OPS_SAMPLE, activation_bytes_per_token,
                                adapter_active_params, attention_blocks, fused_int4, op_counts)
@@ -313,9 +313,10 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
             / max(arch.num_experts, 1) * arch.moe_layers
         return counts.forward(hit)
 
-    # ---- rollout: per round one prefill of the prompts, then max_new_tokens x max_turns decode steps
+    # ---- rollout: per round one prefill of the prompts, then max_new_tokens x max_turns sampling steps, each but a
+    # turn's last feeding its token back through the model (a decode forward)
     batch = min(rollout_batch(profile, shape.tokens_per_micro_batch // profile.memory.seq_len), shape.sequences)
-    prompt, new = prompt_tokens(profile), decoded_tokens(profile)
+    prompt, new, steps = prompt_tokens(profile), decoded_tokens(profile), decode_forwards(profile)
     rounds = shape.rollout_rounds
     kv = kv_bytes_per_token(profile, arch)
     intra, inter = _split(profile, layout, terms["zero3_gather_rollout"], terms["all_to_all_rollout"])
@@ -329,11 +330,11 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
         peaks, eff)
     mean_context = prompt + (new + 1) / 2
     decode = _timed(PhaseTime(
-        flops=rounds * new * (2.0 * (active + lora) * batch + attention_flops(arch, batch, mean_context)),
-        hbm_bytes=rounds * new * (forward_reads.bytes(batch) + batch * mean_context * kv + batch * act),
+        flops=rounds * steps * (2.0 * (active + lora) * batch + attention_flops(arch, batch, mean_context)),
+        hbm_bytes=rounds * steps * (forward_reads.bytes(batch) + batch * mean_context * kv + batch * act),
         intra_bytes=intra * (1 - first), inter_bytes=inter * (1 - first), tokens=shape.decode_tokens * world,
-        ops=rounds * new * (ops(batch) + OPS_SAMPLE), items=rounds * new * attention_blocks(arch, batch),
-        adapter_flops=rounds * new * 2.0 * lora * batch),
+        ops=rounds * (steps * ops(batch) + new * OPS_SAMPLE), items=rounds * steps * attention_blocks(arch, batch),
+        adapter_flops=rounds * steps * 2.0 * lora * batch),
         peaks, eff)
     rollout = PhaseTime(flops=prefill.flops + decode.flops, hbm_bytes=prefill.hbm_bytes + decode.hbm_bytes,
                         intra_bytes=intra, inter_bytes=inter, tokens=shape.decode_tokens * world,

@@ -57,6 +57,7 @@ def test_same_format_on_both_paths_passes_with_js_near_zero(align_profile):
     assert max(e.rel_error for e in report.layers) < JUMP_FLOOR and report.source["first_jump"] is None
     doc = report.to_dict()
     assert doc["floor"]["measured_as"] == floor.measured_as and doc["floor_times"]["js"] == 1.0
+    assert "routing" not in doc["source"]  # a dense model: no routing agreement, no split
 
 
 @pytest.mark.parametrize("layer", [0, 1])

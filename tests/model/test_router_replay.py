@@ -284,3 +284,28 @@ def test_the_update_reports_routing_agreement_and_replays_what_it_is_told(fp8_mo
     for layer, experts in enumerate(ran):
         experts = experts.reshape(256, -1, 2)[:, s.prompt_ids.shape[1]:].cpu()
         assert torch.equal(experts[recorded[:, :, layer]], s.routes[rows][:, :, layer].long()[recorded[:, :, layer]])
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_verify_alignment_splits_an_moes_mismatch_into_routing_and_numerics(model_cache, tmp_path, replay):
+    """The internal check on the tiny MoE with fp8 KV: the routing agreement per layer, and the mismatch without
+    and with replay beside each other; the comparison and its gates take the setting rl.router_replay trains with."""
+    from orbitctl.align.api import verify_alignment
+    from orbitctl.profile import load_profile
+
+    profile = load_profile(ROOT / "profiles" / "tiny-moe-cpu.yaml",
+                           ["memory.expert_parallel=1", "hardware.gpus_per_node=1", "rollout.kv_dtype=fp8",
+                            "alignment.num_prompts=16", f"rl.router_replay={str(replay).lower()}",
+                            f"run.dir={tmp_path / 'run'}"])
+    report = verify_alignment(profile)
+    routing = report.to_dict()["source"]["routing"]
+    assert routing["replayed_in_comparison"] is replay
+    assert routing["tokens_compared"] > 0 and len(routing["agreement_per_layer"]) == 2
+    assert 0.0 < routing["agreement"] <= 1.0
+    split = routing["mismatch"]
+    for metric in ("js", "logsoftmax_l1"):
+        parts = split[metric]
+        assert parts["routing"] == parts["without_replay"] - parts["with_replay"]
+        # the comparison the gates judge is the one the profile trains with
+        assert report.summary[metric]["mean"] == parts["with_replay" if replay else "without_replay"]
+

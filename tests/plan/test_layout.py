@@ -105,14 +105,14 @@ def _small(make_profile, **memory):
         rollout={"max_new_tokens": 16, "batch_size": 4})
 
 
-# By hand: 8 x 4 = 32 completions, 8 per GPU, 2 rollout rounds of 1 prefill + 16 decode forwards,
-# 48 prompt tokens each; 4 micro-batches of 2 x 64 = 128 tokens; G = 4.
+# By hand: 8 x 4 = 32 completions, 8 per GPU, 2 rollout rounds of 1 prefill + 15 decode forwards (16 tokens
+# sampled, the last never fed back), 48 prompt tokens each; 4 micro-batches of 2 x 64 = 128 tokens; G = 4.
 G, RING = 4, 3 / 4
 BASE = 2 * (128_384 - 64)           # every parameter in bf16 but the final norm (not a gather unit)
 EXPERTS = 2 * 8 * 3 * 32 * 64 * 2   # 2 layers x 8 experts x gate/up/down 32 x 64, bf16
 LORA = 2 * 16 * (128 + 96 + 96 + 128)   # r (in + out) for q, k, v, o, 2 layers: 14,336
 LORA_PERSISTENT = 2 * 2 * 16 * 32   # k_proj and v_proj's B (32 x 16 < 10 h = 640 elements) stay whole
-ROLLOUT_FORWARDS, MICRO, TOKENS = 2 * (1 + 16), 4, 2 * 64
+ROLLOUT_FORWARDS, MICRO, TOKENS = 2 * (1 + 15), 4, 2 * 64
 PER_TOKEN_EXCHANGE = 2 * 2 * 64 * 2  # MoE layers x k x h x bf16
 
 
@@ -137,7 +137,7 @@ def test_comm_expert_parallel_by_hand(make_profile, p):
     assert comm.terms["zero3_gather_rollout"] == int(ROLLOUT_FORWARDS * gathered)
     assert comm.terms["zero3_gather_train"] == int(2 * MICRO * gathered)
     # every token's k vectors out and back (dispatch + combine), 1/P of them to this rank's own experts
-    assert comm.terms["all_to_all_rollout"] == int(2 * PER_TOKEN_EXCHANGE * local * 8 * (48 + 16))
+    assert comm.terms["all_to_all_rollout"] == int(2 * PER_TOKEN_EXCHANGE * local * 8 * (48 + 15))
     # forward, recompute and backward: three passes of two exchanges per micro-batch
     assert comm.terms["all_to_all_train"] == int(2 * PER_TOKEN_EXCHANGE * local * TOKENS * 3 * MICRO)
     # buffers: one MoE layer in flight, tokens x k x h x bf16, send + receive, dispatch + combine

@@ -58,15 +58,19 @@ def test_decode_time_is_linear_in_max_new_tokens(repo, name):
 
 
 def test_turns_decode_max_new_tokens_each(repo):
-    """rollout.max_turns: every turn decodes max_new_tokens policy tokens; 4 turns of 256 are 1024 decoded tokens."""
-    from orbitctl.plan.comm import step_shape
+    """rollout.max_turns: every turn decodes max_new_tokens policy tokens; 4 turns of 256 are 1024 decoded tokens, fed
+    back by 4 x 255 decode forwards (a turn's last token is not fed back) against one turn's 1023."""
+    from orbitctl.plan.comm import decode_forwards, step_shape
 
     base = {"rollout.max_new_tokens": 256, "memory.seq_len": 4096}
     one = _profile(repo, "llama-3.1-8b_grpo_qlora-nf4_1x24g", **{**base, "rollout.max_new_tokens": 1024})
     turns = _profile(repo, "llama-3.1-8b_grpo_qlora-nf4_1x24g", **{**base, "rollout.max_turns": 4})
     assert step_shape(turns).decode_tokens == step_shape(one).decode_tokens
     assert step_shape(turns).prefill_tokens == step_shape(one).prefill_tokens
-    assert _timing(turns).phases["rollout"].seconds == pytest.approx(_timing(one).phases["rollout"].seconds)
+    assert (decode_forwards(turns), decode_forwards(one)) == (4 * 255, 1023)
+    assert step_shape(turns).rollout_forwards == 1 + 4 * 255
+    several, single = _timing(turns).phases["rollout"].seconds, _timing(one).phases["rollout"].seconds
+    assert several < single and several == pytest.approx(single, rel=4 / 1023)
 
 
 def test_decode_time_is_sublinear_in_batch_until_compute_bound(repo):
