@@ -141,7 +141,7 @@ def _batch(policy, split, rows: int = 6, length: int = 5):
         logits = policy.completion_logits(prompt_ids, prompt_mask, completion_ids, completion_mask, train=False)
     dist = torch.log_softmax(logits.float() / 0.7 + 0.3 * torch.randn(logits.shape, generator=gen), -1)
     batch = SimpleNamespace(size=rows, prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                            completion_mask=completion_mask, completion_attention=None)
+                            completion_mask=completion_mask, completion_attention=None, routes=None)
     old = old_logprobs(policy, batch, rows, 0.7) + 0.05 * torch.randn(rows, length, generator=gen) * completion_mask
     return batch, {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
                    "completion_mask": completion_mask, "attention": completion_mask,

@@ -176,11 +176,11 @@ class _FakePolicy:
     def __init__(self, logits):
         self.logits, self.seen = logits, []
 
-    def completion_logits(self, prompt_ids, prompt_mask, completion_ids, attention, train=True):
+    def completion_logits(self, prompt_ids, prompt_mask, completion_ids, attention, train=True, routes=None):
         self.seen.append(attention.clone())
         return self.logits
 
-    def reference_logits(self, prompt_ids, prompt_mask, completion_ids, attention):
+    def reference_logits(self, prompt_ids, prompt_mask, completion_ids, attention, routes=None):
         return self.logits.detach() * 0.5
 
 
