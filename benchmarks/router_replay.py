@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def _js(a_logits, b_logits):
     import torch
 
-    a, b = torch.log_softmax(a_logits.double(), -1), torch.log_softmax(b_logits.double(), -1)
-    m = torch.logaddexp(a, b) - torch.log(torch.tensor(2.0, dtype=torch.float64))
-    return 0.5 * ((a.exp() * (a - m)).sum(-1) + (b.exp() * (b - m)).sum(-1))
+    from orbitctl.distances import js_divergence
+
+    return js_divergence(torch.log_softmax(a_logits.double(), -1), torch.log_softmax(b_logits.double(), -1))
 
 
 def _dlogp(a_logits, b_logits, ids):

@@ -104,6 +104,13 @@ class RoutingSplit:
     with_replay: object
     """TokenTable of the train path replaying the recorded routing against the infer path."""
 
+    def add(self, agreement, without_replay, with_replay, infer, ids) -> None:
+        """One batch: its agreement, and the train path's logits of its compared tokens routed by itself and
+        replayed, against the infer path's ``infer`` on the tokens ``ids``."""
+        self.agreement = agreement if self.agreement is None else self.agreement + agreement
+        self.without_replay.add(without_replay, infer, ids)
+        self.with_replay.add(with_replay, infer, ids)
+
     def to_dict(self) -> dict:
         without, with_ = self.without_replay.summary(), self.with_replay.summary()
         split = {}
@@ -286,18 +293,13 @@ def compare_internal(profile, *, adapter: str | Path | None = None, prompts: lis
         train_logits = scaled(train_logits)
         train_hidden = train_hidden.cpu() if train_hidden is not None else None
         table.add(train_logits[keep], samples.logits[keep], samples.completion_ids[keep])
-        if routing is not None:
-            if replay:
-                other = scaled(train_forward(False)[0])  # routing itself: where the agreement is read
+        if routing is not None:  # the agreement is read after the forward that routes itself
+            unreplayed = scaled(train_forward(False)[0]) if replay else train_logits
             agreement = train_policy.routing_agreement(samples.routes, samples.prompt_ids.shape[1],
                                                        samples.completion_mask)
-            if not replay:
-                other = scaled(train_forward(True)[0])
-            routing.agreement = agreement if routing.agreement is None else routing.agreement + agreement
-            (routing.with_replay if not replay else routing.without_replay).add(
-                other[keep], samples.logits[keep], samples.completion_ids[keep])
-            (routing.without_replay if not replay else routing.with_replay).add(
-                train_logits[keep], samples.logits[keep], samples.completion_ids[keep])
+            replayed = train_logits if replay else scaled(train_forward(True)[0])
+            routing.add(agreement, unreplayed[keep], replayed[keep], samples.logits[keep],
+                        samples.completion_ids[keep])
         logit_absmax = max(logit_absmax, float(train_logits[keep].abs().max()))
         infer_logp.append(samples.logprobs[keep].double())
         completions += len(chunk)

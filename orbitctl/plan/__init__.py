@@ -20,7 +20,8 @@ from typing import Any
 from orbitctl.errors import ProfileError, UserError
 from orbitctl.plan.advice import advise, compare_layouts, compare_nodes, layout_notes, max_micro_batch
 from orbitctl.plan.budget import evaluate, prepare
-from orbitctl.plan.comm import COMM_TERMS
+from orbitctl.plan.comm import COMM_TERMS, completions_per_gpu
+from orbitctl.plan.timing import seconds_text
 from orbitctl.plan.result import COMPONENTS, PHASES, Advice, MemoryPlan
 
 __all__ = ["plan_profile", "plan_sweep", "apply_changes", "measure_profile", "compare_profile", "resolve_rollout_batch",
@@ -77,11 +78,6 @@ def _searched(profile, inputs, gpu_memory_bytes: int | None) -> MemoryPlan:
     return plan
 
 
-def step_sequences_per_gpu(profile) -> int:
-    """Completions one RL step samples on each GPU (rank): prompts x group over the ranks, rounded up."""
-    return -(-profile.rl.prompts_per_step * profile.rl.group_size // profile.world_size)
-
-
 def auto_rollout_batch(profile, *, gpu_memory_bytes: int | None = None) -> int:
     """The sequences per GPU ``rollout.batch_size: auto`` decodes at once: the most whose rollout phase fits the
     usable memory, at most the step's sequences per GPU (more would decode nothing), at least 1.
@@ -96,7 +92,7 @@ def auto_rollout_batch(profile, *, gpu_memory_bytes: int | None = None) -> int:
         plan = evaluate(other, prepare(other, arch), gpu_memory_bytes=gpu_memory_bytes)
         return sum(plan.phases["rollout"].values()), plan.usable_bytes
 
-    cap = step_sequences_per_gpu(profile)
+    cap = completions_per_gpu(profile)
     one, usable = rollout(1)
     per = rollout(2)[0] - one
     n = cap if per <= 0 else min(cap, max(1, int((usable - one) // per) + 1))
@@ -127,7 +123,7 @@ def plan_profile(profile, *, gpu_memory_bytes: int | None = None, with_advice: b
         seqs = profile.rollout.batch_size
         plan.details["rollout_batch_size_auto"] = seqs
         plan.notes.append(f"rollout.batch_size auto: {seqs} sequences decoded at once per GPU (the most the rollout "
-                          f"phase fits, at most the step's {step_sequences_per_gpu(profile)})")
+                          f"phase fits, at most the step's {completions_per_gpu(profile)})")
     if with_advice:
         def replan(change: dict[str, Any], search: bool = False) -> MemoryPlan | None:
             try:
@@ -161,15 +157,9 @@ def _rollout_batch_advice(profile, plan: MemoryPlan, gpu_memory_bytes: int | Non
         return []
     before, after = plan.timing.phases["rollout"].seconds, other.timing.phases["rollout"].seconds
     text = (f"decode {room} sequences at once per GPU instead of {now} (rollout.batch_size: auto, what the rollout "
-            f"phase has room for): rollout {_duration(before)} -> {_duration(after)} per step; peak "
+            f"phase has room for): rollout {seconds_text(before)} -> {seconds_text(after)} per step; peak "
             f"{other.peak_bytes / 2**30:.1f} GiB (fits)")
     return [Advice({"rollout.batch_size": "auto"}, text, other.peak_bytes, True)]
-
-
-def _duration(seconds: float) -> str:
-    if seconds >= 3600:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.3g} s"
 
 
 def plan_sweep(profile, sweeps: list[tuple[str, list[Any]]], *, gpu_memory_bytes: int | None = None) -> list[dict]:

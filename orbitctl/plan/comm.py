@@ -97,11 +97,16 @@ def prompt_tokens(profile) -> int:
     return max(1, profile.memory.seq_len - decoded_tokens(profile))
 
 
+def completions_per_gpu(profile) -> int:
+    """Completions one RL step samples on each GPU (rank): prompts x group over the ranks, rounded up."""
+    return math.ceil(profile.rl.prompts_per_step * profile.rl.group_size / profile.world_size)
+
+
 def step_shape(profile, micro_batch: int | None = None) -> StepShape:
     """The step's counts; ``micro_batch`` overrides memory.micro_batch_size (and the rollout batch it implies)."""
     mem, rl = profile.memory, profile.rl
     mb = micro_batch or mem.micro_batch_size
-    sequences = math.ceil(rl.prompts_per_step * rl.group_size / profile.world_size)
+    sequences = completions_per_gpu(profile)
     batch = rollout_batch(profile, mb)
     per_epoch = math.ceil(sequences / mb)
     micro = rl.ppo_epochs * per_epoch

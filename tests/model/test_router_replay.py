@@ -119,9 +119,9 @@ def fp8_moe_policy(tmp_path_factory, model_cache):
 
 
 def _js(train_logits, infer_logits):
-    a, b = torch.log_softmax(train_logits.double(), -1), torch.log_softmax(infer_logits.double(), -1)
-    m = torch.logaddexp(a, b) - torch.log(torch.tensor(2.0, dtype=torch.float64))
-    return 0.5 * ((a.exp() * (a - m)).sum(-1) + (b.exp() * (b - m)).sum(-1))
+    from orbitctl.distances import js_divergence
+
+    return js_divergence(torch.log_softmax(train_logits.double(), -1), torch.log_softmax(infer_logits.double(), -1))
 
 
 def test_the_infer_path_records_every_fed_token_and_replay_runs_exactly_those_experts(fp8_moe_policy):
