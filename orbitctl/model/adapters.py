@@ -62,9 +62,32 @@ def _is_linear(module) -> bool:
     return hasattr(module, "in_features") and hasattr(module, "out_features") and type(module).__name__.endswith("Linear")
 
 
-def resolve_targets(model, targets) -> list[str]:
-    """Full module names for a preset or a list of suffixes; lm_head is never adapted."""
-    names = [n for n, m in model.named_modules() if n and _is_linear(m) and not n.endswith("lm_head")]
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer a module name belongs to ('model.layers.12.mlp.up_proj' -> 12); None outside the layers."""
+    match = _LAYER_INDEX.search(name)
+    return int(match.group(1)) if match else None
+
+
+def first_adapted_layer(model, last_layers: int | None) -> int:
+    """Index of the lowest decoder layer ``adapter.last_layers`` adapts (0: every layer)."""
+    if last_layers is None:
+        return 0
+    total = int(model.config.num_hidden_layers)
+    if last_layers > total:
+        raise UserError(f"adapter.last_layers: {last_layers}, and the model has {total} decoder layers",
+                        fix=f"set adapter.last_layers to at most {total}, or remove it to adapt every layer")
+    return total - last_layers
+
+
+def resolve_targets(model, targets, last_layers: int | None = None) -> list[str]:
+    """Full module names for a preset or a list of suffixes, in the last ``last_layers`` decoder layers (all when
+    None); lm_head is never adapted."""
+    first = first_adapted_layer(model, last_layers)
+    names = [n for n, m in model.named_modules() if n and _is_linear(m) and not n.endswith("lm_head")
+             and (layer_index(n) or 0) >= first]
     if isinstance(targets, str):
         if targets == "all-linear":
             chosen = names
@@ -124,7 +147,7 @@ def attach_lora(model, section, hidden_size: int, *, seed: int):
     import torch
     from peft import LoraConfig, get_peft_model
 
-    modules = resolve_targets(model, section.targets)
+    modules = resolve_targets(model, section.targets, section.last_layers)
     rank = adapter_dim(section.rank, hidden_size)
     config = LoraConfig(
         r=rank, lora_alpha=section.alpha if section.alpha is not None else 2 * rank,
@@ -151,8 +174,10 @@ def attach_lora(model, section, hidden_size: int, *, seed: int):
 
         expert_rank = rank if section.experts_rank == "auto" else int(section.experts_rank)
         alpha = section.alpha if section.alpha is not None else 2 * rank
-        attach_expert_lora(peft_model, section.experts, expert_rank, alpha, dtype, seed=seed)
-        modules = modules + [f"{name}[{section.experts} rank {expert_rank}]" for name, _ in expert_layers(peft_model)]
+        first = first_adapted_layer(model, section.last_layers)
+        attach_expert_lora(peft_model, section.experts, expert_rank, alpha, dtype, seed=seed, first_layer=first)
+        modules = modules + [f"{name}[{section.experts} rank {expert_rank}]" for name, _ in expert_layers(peft_model)
+                             if (layer_index(name) or 0) >= first]
     return peft_model, AdapterReport("lora", modules, _count_trainable(peft_model), rank)
 
 
@@ -183,7 +208,8 @@ def load_lora(model, directory: str | Path, dtype: str = "bf16"):
 
         from orbitctl.model.expert_lora import attach_expert_lora, load_expert_lora_tensors
 
-        attach_expert_lora(peft_model, experts["layout"], experts["rank"], experts["alpha"], target, seed=0)
+        attach_expert_lora(peft_model, experts["layout"], experts["rank"], experts["alpha"], target, seed=0,
+                           first_layer=experts["first_layer"])
         file = Path(directory) / "adapter_model.safetensors"
         load_expert_lora_tensors(peft_model, load_file(str(file)), str(file))
     return peft_model
@@ -242,16 +268,19 @@ def _bottleneck_cls():
 
 
 def attach_bottleneck(model, section, hidden_size: int, *, seed: int):
-    """Insert a bottleneck adapter after every decoder layer's MLP."""
+    """Insert a bottleneck adapter after every decoder layer's MLP (the last ``adapter.last_layers`` when set)."""
     import torch
 
     layers = decoder_layers(model)
+    first = first_adapted_layer(model, section.last_layers)
     dim = adapter_dim(section.rank, hidden_size)
     dtype = torch_dtype(section.dtype, next(model.parameters()).device)
     cls = _bottleneck_cls()
     torch.manual_seed(seed)
     names = []
     for i, layer in enumerate(layers):
+        if i < first:
+            continue
         layer.mlp = cls(layer.mlp, hidden_size, dim, dtype)
         names.append(f"model.layers.{i}.mlp")
     return model, AdapterReport("bottleneck", names, _count_trainable(model), dim)
@@ -385,7 +414,7 @@ def load_adapter_weights(model, directory: str | Path, kind: str) -> None:
 
 EXPERT_SIDECAR = "expert_adapter.json"
 """Beside a LoRA adapter whose routed experts have their own: ``{"format": "orbitctl-expert-lora", "version": 1,
-"layout", "rank", "alpha"}``. The factors themselves are in ``adapter_model.safetensors`` under PEFT's
+"layout", "rank", "alpha", "first_layer"}`` (the lowest decoder layer adapted: ``adapter.last_layers``). The factors themselves are in ``adapter_model.safetensors`` under PEFT's
 per-expert names, and ``adapter_config.json`` lists the expert projections (with ``rank_pattern`` and
 ``alpha_pattern`` for their rank), so a PEFT-format loader (vLLM's MoE LoRA) sees an ordinary per-expert LoRA."""
 
@@ -398,7 +427,8 @@ def _save_expert_adapters(model, directory: Path) -> None:
     tensors = expert_lora_tensors(model)
     if not tensors:
         return
-    lora = next(m.expert_lora for _, m in expert_layers(model) if m.expert_lora is not None)
+    adapted = [(name, m.expert_lora) for name, m in expert_layers(model) if m.expert_lora is not None]
+    lora = adapted[0][1]
     file = directory / "adapter_model.safetensors"
     save_file({**load_file(str(file)), **tensors}, str(file), metadata={"format": "pt"})
     config_file = directory / "adapter_config.json"
@@ -411,7 +441,7 @@ def _save_expert_adapters(model, directory: Path) -> None:
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (directory / EXPERT_SIDECAR).write_text(json.dumps(
         {"format": "orbitctl-expert-lora", "version": 1, "layout": lora.layout, "rank": lora.rank,
-         "alpha": lora.alpha}, indent=2) + "\n")
+         "alpha": lora.alpha, "first_layer": layer_index(adapted[0][0]) or 0}, indent=2) + "\n")
 
 
 def _expert_sidecar(directory: str | Path) -> dict | None:
@@ -420,7 +450,8 @@ def _expert_sidecar(directory: str | Path) -> dict | None:
         return None
     try:
         meta = json.loads(path.read_text())
-        return {"layout": str(meta["layout"]), "rank": int(meta["rank"]), "alpha": float(meta["alpha"])}
+        return {"layout": str(meta["layout"]), "rank": int(meta["rank"]), "alpha": float(meta["alpha"]),
+                "first_layer": int(meta.get("first_layer", 0))}
     except (ValueError, KeyError, TypeError) as exc:
         raise InputFileError(f"{path}: not an orbitctl expert-adapter description ({exc})",
                              fix="save the adapter again with orbitctl train") from exc

@@ -222,9 +222,13 @@ def expert_layers(model) -> list[tuple[str, nn.Module]]:
     return [(name, module) for name, module in model.named_modules() if hasattr(module, "expert_lora")]
 
 
-def attach_expert_lora(model, layout: str, rank: int, alpha: float, dtype: torch.dtype, *, seed: int) -> int:
-    """Give every routed-expert module of ``model`` its adapters; returns the trainable parameters added."""
-    layers = expert_layers(model)
+def attach_expert_lora(model, layout: str, rank: int, alpha: float, dtype: torch.dtype, *, seed: int,
+                       first_layer: int = 0) -> int:
+    """Give every routed-expert module of ``model`` from decoder layer ``first_layer`` on its adapters; returns the
+    trainable parameters added."""
+    from orbitctl.model.adapters import layer_index
+
+    layers = [(name, m) for name, m in expert_layers(model) if (layer_index(name) or 0) >= first_layer]
     if not layers:
         from orbitctl.errors import UserError
 

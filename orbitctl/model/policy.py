@@ -46,6 +46,24 @@ def position_ids_for(mask):
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def shared_prompts(prompt_ids, prompt_mask):
+    """``(unique, rows)`` when some rows of the batch repeat a prompt: the first row of each distinct prompt, and for
+    every row the position of its prompt among those (``prompt_ids[unique][rows]`` is ``prompt_ids``).
+    ``(None, None)`` when every row is distinct: nothing to share."""
+    import torch
+
+    keys = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
+    distinct, rows = torch.unique(keys, dim=0, return_inverse=True)
+    if distinct.shape[0] == keys.shape[0]:
+        return None, None
+    first = torch.full((distinct.shape[0],), keys.shape[0], dtype=torch.long, device=keys.device)
+    first = first.scatter_reduce(0, rows, torch.arange(keys.shape[0], device=keys.device), reduce="amin")
+    # keep the batch's own order of first appearance, so the prefill sees its prompts as they came
+    order = torch.argsort(first)
+    position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return first[order], position[rows]
+
+
 def _top_p_filter(logits, top_p: float):
     import torch
 
@@ -64,13 +82,15 @@ class Policy:
 
     def __init__(self, model, tokenizer, report: AdapterReport, *, hidden_size: int, adapter_kind: str,
                  gradient_checkpointing: bool = True, lockstep=None, chat_template: bool = False,
-                 kv_dtype: str = "bf16", router_replay: bool = False) -> None:
+                 kv_dtype: str = "bf16", router_replay: bool = False, system_prompt: str | None = None) -> None:
         from orbitctl.model.expert_parallel import SOLO
         from orbitctl.model.router_replay import RouterTape
 
         self.model = model
         self.chat_template = chat_template
         """Render prompts with the tokenizer's chat template (``data.chat_template``)."""
+        self.system_prompt = system_prompt
+        """``data.system_prompt``: a system turn before every prompt that has none of its own (chat template only)."""
         self.kv_dtype = kv_dtype
         """How the infer path keeps its KV cache (``rollout.kv_dtype``; :mod:`orbitctl.model.kv_cache`): ``bf16`` in
         the compute dtype, ``fp8`` in float8 e4m3 with a scale per token and KV head. The train path has no cache."""
@@ -92,6 +112,9 @@ class Policy:
                 self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # transformers also makes the embedding's output require a gradient, which only reentrant checkpointing
+            # needs: with it the backward would run every frozen layer below the first adapter for nothing
+            self.model.disable_input_require_grads()
         import inspect
 
         base_forward = self.model.get_base_model().forward if hasattr(self.model, "get_base_model") else self.model.forward
@@ -122,16 +145,24 @@ class Policy:
     # -- infer path ----------------------------------------------------------------------
     def encode_prompts(self, prompts: list[str]):
         """Left-padded ids and mask of ``prompts``. With :attr:`chat_template` each goes through the tokenizer's
-        chat template first: a chat record's own turns (a prompt's ``messages``), else one user turn."""
+        chat template first: a chat record's own turns (a prompt's ``messages``), else one user turn; after
+        :attr:`system_prompt` when set and the turns have no system turn of their own."""
         if not self.chat_template:
             enc = self.tokenizer(prompts, return_tensors="pt", padding=True)
             return enc["input_ids"], enc["attention_mask"]
-        texts = [self.tokenizer.apply_chat_template(
-            [{"role": role, "content": content} for role, content in getattr(p, "messages", None) or (("user", p),)],
-            tokenize=False, add_generation_prompt=True) for p in prompts]
+        texts = [self.tokenizer.apply_chat_template(self.turns(p), tokenize=False, add_generation_prompt=True)
+                 for p in prompts]
         # the template writes the special tokens (BOS) itself
         enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         return enc["input_ids"], enc["attention_mask"]
+
+    def turns(self, prompt) -> list[dict]:
+        """The chat turns of one prompt as :meth:`encode_prompts` renders them."""
+        turns = [{"role": role, "content": content}
+                 for role, content in getattr(prompt, "messages", None) or (("user", prompt),)]
+        if self.system_prompt is not None and turns[0]["role"] != "system":
+            turns.insert(0, {"role": "system", "content": self.system_prompt})
+        return turns
 
     def sample(self, prompt_ids, prompt_mask, *, max_new_tokens: int, temperature: float, top_p: float,
                generator, keep_dist: bool = False, keep_logits: bool = False,
@@ -164,14 +195,25 @@ class Policy:
             fresh = new_kv_cache(kv_dtype or self.kv_dtype)  # None: the model starts its own
             if self.routing is not None:
                 self.routing.record()  # the prompt's routing: an engine returns it; the train path routes it itself
-            out = self.model(input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids_for(mask),
+            # a prompt that several rows share (a GRPO group) is prefilled once; its cache is then copied to each row
+            unique, rows = shared_prompts(prompt_ids, mask)
+            once = unique is not None
+            out = self.model(input_ids=prompt_ids[unique] if once else prompt_ids,
+                             attention_mask=mask[unique] if once else mask,
+                             position_ids=position_ids_for(mask[unique] if once else mask),
                              use_cache=True, output_hidden_states=keep_hidden, **self._last_logits(1),
                              **({} if fresh is None else {self._cache_kw: fresh}))
             prompt_routes = None
             if self.routing is not None:
-                prompt_routes = self.routing.take_prompt(mask)
+                prompt_routes = self.routing.take_prompt(mask[unique] if once else mask)
+                prompt_routes = prompt_routes[rows.cpu()] if once else prompt_routes
                 self.routing.record()  # decode step t feeds token t-1: its experts are that token's
             cache, logits = getattr(out, self._cache_kw), out.logits[:, -1, :]
+            if once:
+                cache.reorder_cache(rows)  # every layer's keys and values, one copy per row
+                logits = logits[rows]
+                if keep_hidden:
+                    out.hidden_states = tuple(h[rows] for h in out.hidden_states)
             next_pos = mask.sum(-1, keepdim=True)
             finished = torch.zeros(batch, dtype=torch.bool, device=device)
             tokens, logps, keep, dists, raw, hidden = [], [], [], [], [], []

@@ -158,6 +158,9 @@ def expert_adapter_saved(hidden: int, width: int, rank: int, adapter_bytes: int)
 
 
 def layer_activations(arch: ArchSpec, layer: Layer, ad: AdapterPlan, st: ActivationSettings) -> LayerActivations:
+    if layer.index < ad.first_layer:
+        # below the first adapted layer (adapter.last_layers) nothing needs a gradient: forward only, nothing kept
+        return LayerActivations(saved=0.0, attention_saved=0.0, attention_block=0.0, mlp_block=0.0)
     h = arch.hidden_size
     norm1 = norm2 = 4.0 * h + 4
     attn, attn_out = _attention_core(arch, layer, ad, st)
@@ -168,13 +171,13 @@ def layer_activations(arch: ArchSpec, layer: Layer, ad: AdapterPlan, st: Activat
         mlp_lora += arch.experts_per_token * expert_adapter_saved(h, arch.moe_intermediate_size, ad.expert_rank,
                                                                   st.adapter_bytes)
     bottleneck = 2.0 * h + 2 * ad.rank if ad.kind == "bottleneck" else 0.0  # MLP output into down, relu into up
-    if layer.index == 0:
+    if layer.index == ad.first_layer:
         # nothing before the first trainable weight needs a gradient, so autograd keeps nothing there
-        attn_inputs = any(ad.adapted_in(0, w.name) for w in layer.weights if w.kind == ATTENTION and w.suffix != "o_proj")
+        attn_inputs = any(ad.adapted_in(layer.index, w.name) for w in layer.weights if w.kind == ATTENTION and w.suffix != "o_proj")
         o_proj = _adapted(layer, ad, ("o_proj",))
-        mlp_inputs = any(ad.adapted_in(0, w.name) for w in layer.weights
+        mlp_inputs = any(ad.adapted_in(layer.index, w.name) for w in layer.weights
                          if w.kind in (MLP, SHARED_EXPERT, EXPERT, ROUTER) and w.suffix != "down_proj")
-        norm1 = 0.0  # the embedding output needs no gradient
+        norm1 = 0.0  # the layer's input (the embedding, or a frozen layer's output) needs no gradient
         if not attn_inputs:
             attn = attn_out if o_proj else 0.0
             if not o_proj:
@@ -205,12 +208,14 @@ def logits_peak(arch: ArchSpec, st: ActivationSettings, *, grad: bool = True) ->
 def train_activations(arch: ArchSpec, ad: AdapterPlan, st: ActivationSettings) -> TrainActivations:
     """The activation and logits bytes at the peak moment of one micro-batch's forward + backward."""
     t, h = st.tokens, arch.hidden_size
-    cache: dict[tuple[int, bool], LayerActivations] = {}
+    cache: dict[tuple[int, str], LayerActivations] = {}
     per_layer = []
     for layer in arch.layers:
         # layers sharing one weights tuple have the same shapes and, since targets select by
-        # name, the same adapted modules; the first layer differs (its frozen prefix keeps nothing)
-        key = (id(layer.weights), layer.index == 0)
+        # name, the same adapted modules; the first adapted layer differs (its frozen prefix keeps nothing), and
+        # the layers below it keep nothing at all
+        place = "below" if layer.index < ad.first_layer else "first" if layer.index == ad.first_layer else "above"
+        key = (id(layer.weights), place)
         if key not in cache:
             cache[key] = layer_activations(arch, layer, ad, st)
         per_layer.append(cache[key])
@@ -218,8 +223,10 @@ def train_activations(arch: ArchSpec, ad: AdapterPlan, st: ActivationSettings) -
     boundary = 2 * h * t
     host = 0.0
     if st.checkpointing:
-        boundaries = 2 * boundary if st.offload else arch.num_layers * boundary
-        host = arch.num_layers * boundary if st.offload else 0.0
+        # each layer the backward reaches keeps its input (the layers below the first adapted one: none)
+        reached = arch.num_layers - ad.first_layer
+        boundaries = 2 * boundary if st.offload else reached * boundary
+        host = reached * boundary if st.offload else 0.0
         kept = boundaries
         layer_moment = boundaries + max(la.backward_peak() * t + la.materialized for la in per_layer)
     else:

@@ -73,6 +73,8 @@ class AdapterPlan:
     expert_rank: int = 0
     expert_params: int = 0
     """Trainable parameters of the routed-expert adapters, all MoE layers (included in ``trainable_params``)."""
+    first_layer: int = 0
+    """The lowest adapted decoder layer (``adapter.last_layers``): below it the update runs forward only."""
 
     def adapted_in(self, layer_index: int, name: str) -> bool:
         return (layer_index, name) in self.adapted
@@ -106,18 +108,30 @@ def _selected(arch: ArchSpec, targets) -> list[tuple[int, Weight]]:
     return chosen
 
 
+def first_adapted_layer(arch: ArchSpec, adapter) -> int:
+    """Index of the lowest decoder layer ``adapter.last_layers`` adapts (0: every layer)."""
+    if adapter.last_layers is None:
+        return 0
+    if adapter.last_layers > arch.num_layers:
+        raise UserError(f"adapter.last_layers: {adapter.last_layers}, and {arch.name} has {arch.num_layers} decoder "
+                        "layers", fix=f"set adapter.last_layers to at most {arch.num_layers}, or remove it")
+    return arch.num_layers - adapter.last_layers
+
+
 def plan_adapters(arch: ArchSpec, adapter) -> AdapterPlan:
     rank = adapter_rank(adapter, arch.hidden_size)
     h = arch.hidden_size
     threshold = 10 * h  # stage3_param_persistence_threshold as the HF integration sets it
+    first = first_adapted_layer(arch, adapter)
     if adapter.kind == "bottleneck":
-        # down [r, h] + bias [r], up [h, r] + bias [h], after every layer's MLP
+        # down [r, h] + bias [r], up [h, r] + bias [h], after every adapted layer's MLP
         matrices = [rank * h, rank, h * rank, h]
         per_layer = sum(matrices)
-        persistent = sum(m for m in matrices if m < threshold) * arch.num_layers
-        return AdapterPlan("bottleneck", rank, per_layer * arch.num_layers, per_layer, persistent,
-                           frozenset(), False)
-    chosen = _selected(arch, adapter.targets)
+        layers = arch.num_layers - first
+        persistent = sum(m for m in matrices if m < threshold) * layers
+        return AdapterPlan("bottleneck", rank, per_layer * layers, per_layer, persistent,
+                           frozenset(), False, first_layer=first)
+    chosen = [(i, w) for i, w in _selected(arch, adapter.targets) if i >= first]
     if not chosen:
         raise UserError(f"adapter.targets: '{adapter.targets}' matches no linear weight of {arch.name}",
                         fix="name modules explicitly, e.g. [q_proj, v_proj]")
@@ -131,7 +145,7 @@ def plan_adapters(arch: ArchSpec, adapter) -> AdapterPlan:
         persistent += sum(m for m in (a_size, b_size) if m < threshold)
     layout, expert_rank, expert_params = adapter.experts, 0, 0
     if layout != "none":
-        moe = [layer.index for layer in arch.layers if layer.moe]
+        moe = [layer.index for layer in arch.layers if layer.moe and layer.index >= first]
         if not moe:
             raise UserError(f"adapter.experts: {arch.name} has no routed experts", fix="set adapter.experts: none")
         expert_rank = expert_adapter_rank(adapter, h)
@@ -142,4 +156,4 @@ def plan_adapters(arch: ArchSpec, adapter) -> AdapterPlan:
         total += expert_params
     return AdapterPlan("lora", rank, total, max(per_layer.values()), persistent,
                        frozenset((i, w.name) for i, w in chosen), any(w.kind == EXPERT for _, w in chosen),
-                       layout, expert_rank, expert_params)
+                       layout, expert_rank, expert_params, first)

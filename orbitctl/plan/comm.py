@@ -80,6 +80,21 @@ def rollout_batch(profile, micro_batch: int) -> int:
     return profile.rollout.batch_size or micro_batch * profile.rl.group_size
 
 
+def prefill_rows(profile, batch: int) -> int:
+    """Prompts a rollout batch of ``batch`` sequences prefills: the G completions of a group share their prompt, which
+    is prefilled once and its cache copied to each row (:func:`orbitctl.model.policy.shared_prompts`). A window of
+    ``batch`` rows holds ``batch / G`` groups when G divides it, one when it divides G, else at most
+    ``batch // G + 2``. An environment's episodes (rollout.max_turns > 1) prefill each turn per sequence."""
+    group = profile.rl.group_size
+    if profile.rollout.max_turns > 1:
+        return batch
+    if batch % group == 0:
+        return batch // group
+    if group % batch == 0:
+        return 1
+    return min(batch, batch // group + 2)
+
+
 def decoded_tokens(profile) -> int:
     """Tokens the policy decodes per rollout sequence: max_new_tokens per turn, rollout.max_turns turns (an
     environment's replies between the turns are prefilled, counted with the prompt in seq_len)."""

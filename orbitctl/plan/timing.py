@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from orbitctl.arch.spec import EXPERT, ArchSpec
-from orbitctl.plan.comm import Communication, decode_forwards, decoded_tokens, prompt_tokens, rollout_batch
+from orbitctl.plan.comm import (Communication, decode_forwards, decoded_tokens, prefill_rows, prompt_tokens,
+                               rollout_batch)
 from orbitctl.plan.layout import Layout
 from orbitctl.plan.ops import (BACKWARD_OPS, OPS_LOSS, OPS_OPTIMIZER, OPS_SAMPLE, activation_bytes_per_token,
                                adapter_active_params, attention_blocks, fused_int4, op_counts)
@@ -321,12 +322,13 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
     kv = kv_bytes_per_token(profile, arch)
     intra, inter = _split(profile, layout, terms["zero3_gather_rollout"], terms["all_to_all_rollout"])
     first = 1 / shape.rollout_forwards  # the prefill's share of the per-forward traffic
+    rows = prefill_rows(profile, batch)  # a group's prompt is prefilled once, its cache copied to each sequence
     prefill = _timed(PhaseTime(
-        flops=rounds * (2.0 * (active + lora) * batch * prompt + attention_flops(arch, batch * prompt, prompt / 2)),
-        hbm_bytes=rounds * (forward_reads.bytes(batch * prompt) + batch * prompt * (kv + act)),
+        flops=rounds * (2.0 * (active + lora) * rows * prompt + attention_flops(arch, rows * prompt, prompt / 2)),
+        hbm_bytes=rounds * (forward_reads.bytes(rows * prompt) + rows * prompt * act + batch * prompt * kv),
         intra_bytes=intra * first, inter_bytes=inter * first, tokens=0,
-        ops=rounds * (ops(batch * prompt) + OPS_SAMPLE), items=rounds * attention_blocks(arch, batch),
-        adapter_flops=rounds * 2.0 * lora * batch * prompt),
+        ops=rounds * (ops(rows * prompt) + OPS_SAMPLE), items=rounds * attention_blocks(arch, rows),
+        adapter_flops=rounds * 2.0 * lora * rows * prompt),
         peaks, eff)
     mean_context = prompt + (new + 1) / 2
     decode = _timed(PhaseTime(
@@ -351,21 +353,26 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
     t = min(shape.tokens_per_micro_batch // seq, shape.sequences) * seq  # a micro-batch is no larger than the rank's share
     linear, attn = 2.0 * active * t, attention_flops(arch, t, seq / 2)
     forward = linear + attn + 2.0 * lora * t
+    # the backward (and a checkpointed layer's recompute) reaches down to the first adapted layer only
+    first = adapters.first_layer if adapters is not None else 0
+    reach, reach_layers = backward_reach(arch, first), (arch.num_layers - first) / arch.num_layers
     # frozen base: input gradients only (no weight-gradient GEMM); attention 2x; the adapters both gradients
-    backward = linear + 2 * attn + 4.0 * lora * t
-    passes = shape.micro_batches * (2 + shape.recompute) + shape.no_grad_passes
+    backward = reach * linear + 2 * reach_layers * attn + 4.0 * lora * t
+    recompute = reach * linear + reach_layers * attn + 2.0 * lora * t
+    forward_passes = shape.micro_batches * (1 + reach * shape.recompute) + shape.no_grad_passes
+    passes = forward_passes + shape.micro_batches * reach
     intra, inter = _split(profile, layout, terms["zero3_gather_train"] + terms["adapter_allreduce"],
                           terms["all_to_all_train"])
     fwd_ops, fwd_items = ops(t), attention_blocks(arch, t / seq)
     update = _timed(PhaseTime(
-        flops=shape.micro_batches * (forward * (1 + shape.recompute) + backward) + shape.no_grad_passes * forward,
-        hbm_bytes=(passes - shape.micro_batches) * forward_reads.bytes(t) + shape.micro_batches * reads.bytes(t)
+        flops=shape.micro_batches * (forward + recompute * shape.recompute + backward) + shape.no_grad_passes * forward,
+        hbm_bytes=forward_passes * forward_reads.bytes(t) + shape.micro_batches * reach * reads.bytes(t)
         + passes * t * act, intra_bytes=intra, inter_bytes=inter,
         tokens=shape.micro_batches * t * world,
-        ops=shape.micro_batches * (fwd_ops * (1 + shape.recompute + BACKWARD_OPS) + OPS_LOSS)
+        ops=shape.micro_batches * (fwd_ops * (1 + reach * (shape.recompute + BACKWARD_OPS)) + OPS_LOSS)
         + shape.no_grad_passes * fwd_ops + shape.optimizer_steps * OPS_OPTIMIZER * counts.trainable_tensors,
         # the attention backward loops over the same items twice (dq, then dk and dv)
-        items=(shape.micro_batches * (1 + shape.recompute + 2) + shape.no_grad_passes) * fwd_items,
+        items=(shape.micro_batches * (1 + reach_layers * (shape.recompute + 2)) + shape.no_grad_passes) * fwd_items,
         adapter_flops=(shape.micro_batches * (2 + 2 * shape.recompute + 4) + 2 * shape.no_grad_passes) * lora * t),
         peaks, eff)
 
@@ -376,6 +383,18 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
     return StepTime({"rollout": rollout, "policy_update": update, "adapter_sync": sync}, world,
                     profile.hardware.nodes, eff, steps=rl_steps(profile),
                     price_per_gpu_hour=profile.hardware.price_per_gpu_hour)
+
+
+def backward_reach(arch: ArchSpec, first_layer: int) -> float:
+    """Share of a forward's matmul work the update's backward runs again (input gradients, a checkpointed layer's
+    recompute): the layers from ``first_layer`` (the first adapted one) up and the output layer; 1 from layer 0."""
+    if first_layer == 0:
+        return 1.0
+    share = arch.experts_per_token / arch.num_experts if arch.num_experts else 1.0
+    reached = sum(w.numel * (share if w.kind == EXPERT else 1.0) for layer in arch.layers[first_layer:]
+                  for w in layer.weights if w.parameter)
+    output = arch.lm_head or arch.embedding  # a tied model's output layer is its embedding
+    return min(1.0, (reached + output.numel + arch.final_norm.numel) / arch.params_active)
 
 
 def rl_steps(profile) -> int:

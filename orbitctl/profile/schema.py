@@ -172,6 +172,8 @@ class AdapterSection(Section):
     """LoRA on the routed experts over their frozen INT4/FP8 weights, computed on the routed tokens, never merged: per-expert factors, shared-outer (the hidden-side factor shared by a layer's experts, the expert-side one per expert) or one shared adapter per layer; none leaves them unadapted (docs/adapters.md)."""
     experts_rank: Union[int, Literal["auto"]] = "auto"
     """Rank of the routed-expert adapters; auto is adapter.rank."""
+    last_layers: int | None = Field(None, ge=1)
+    """Adapt only the last N decoder layers; unset = every layer. The update's backward stops at the first adapted layer: the layers below run forward only, keep no activations and get no gradient (docs/adapters.md)."""
 
     @model_validator(mode="after")
     def _experts_fit_the_kind(self) -> "AdapterSection":
@@ -387,12 +389,21 @@ class DataSection(Section):
     """Field layout of the data files; auto = detected from the first record's keys."""
     chat_template: bool = False
     """Apply the tokenizer's chat template to each prompt (a plain prompt becomes one user message)."""
+    system_prompt: str | None = None
+    """A system turn put before every prompt under the chat template (a chat record's own system turn wins); unset = the template's default, if it has one."""
     eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
     """Share of train held out for evaluation when eval is unset."""
     eval_size: int = Field(64, ge=1)
     """Held-out prompts scored per evaluation."""
     reward: str = "builtin"
     """Reward: math, code, builtin (the task's own) or python:module:function."""
+
+    @model_validator(mode="after")
+    def _system_prompt_needs_the_template(self) -> "DataSection":
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError("system_prompt: a system turn goes through the tokenizer's chat template, and "
+                             "chat_template is false (set data.chat_template: true, or remove data.system_prompt)")
+        return self
 
     @model_validator(mode="after")
     def _format_needs_a_file(self) -> "DataSection":

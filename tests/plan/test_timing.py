@@ -69,8 +69,11 @@ def test_turns_decode_max_new_tokens_each(repo):
     assert step_shape(turns).prefill_tokens == step_shape(one).prefill_tokens
     assert (decode_forwards(turns), decode_forwards(one)) == (4 * 255, 1023)
     assert step_shape(turns).rollout_forwards == 1 + 4 * 255
-    several, single = _timing(turns).phases["rollout"].seconds, _timing(one).phases["rollout"].seconds
-    assert several < single and several == pytest.approx(single, rel=4 / 1023)
+    several, single = (_timing(p).phases["rollout"].parts for p in (turns, one))
+    assert several["decode"].seconds < single["decode"].seconds
+    assert several["decode"].seconds == pytest.approx(single["decode"].seconds, rel=4 / 1023)
+    # one turn prefills a group's prompt once; an episode's turns are its own (plan.comm.prefill_rows)
+    assert several["prefill"].flops > single["prefill"].flops
 
 
 def test_decode_time_is_sublinear_in_batch_until_compute_bound(repo):
@@ -196,3 +199,15 @@ def test_sweep_rows_carry_the_predicted_time(repo):
     rows = plan_sweep(_profile(repo, "kimi-k2_grpo_int4_8xh200"), [("rollout.batch_size", [8, 32])])
     assert rows[0]["phase_seconds"]["rollout"] > rows[1]["phase_seconds"]["rollout"]  # fewer weight reads per token
     assert all(row["step_seconds"] == pytest.approx(sum(row["phase_seconds"].values())) for row in rows)
+
+
+@pytest.mark.parametrize("batch, group, rows", [(64, 8, 8), (4, 8, 1), (12, 8, 3), (16, 16, 1)])
+def test_a_groups_prompt_is_prefilled_once(repo, batch, group, rows):
+    """The sampler prefills each distinct prompt of a rollout batch once (Policy.sample); the plan counts those rows."""
+    from orbitctl.plan.comm import prefill_rows
+
+    change = {"rollout.batch_size": batch, "rl.group_size": group, "rl.prompts_per_step": 64 // group}
+    profile = _profile(repo, "llama-3.1-8b_grpo_qlora-nf4_1x24g", **change)
+    assert prefill_rows(profile, batch) == rows
+    # 12 rows in groups of 8 hold at most 3 prompts; the time is the prefill of those rows, not of every sequence
+    assert rows >= -(-batch // group)
