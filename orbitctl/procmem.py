@@ -1,6 +1,7 @@
 """This process's memory as the kernel sees it (Linux), and handing freed heap back to it.
 
-    from orbitctl.procmem import reset_high_water, return_freed_heap, status_bytes
+    from orbitctl.procmem import pin_mmap_threshold, reset_high_water, return_freed_heap, status_bytes
+    pin_mmap_threshold(MiB)   # once, before the work: freed multi-MiB blocks leave no resident holes
     return_freed_heap(); reset_high_water(); ...; status_bytes("VmHWM")   # peak resident set since the reset
 
 Torch-free; every function is a no-op or returns None where the facility is missing (another C
@@ -12,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 _MALLOC_TRIM = None
+M_MMAP_THRESHOLD = -3
+"""glibc's ``mallopt`` parameter for the size from which an allocation gets pages of its own."""
 
 
 def return_freed_heap() -> None:
@@ -28,6 +31,22 @@ def return_freed_heap() -> None:
             _MALLOC_TRIM = False
     if _MALLOC_TRIM:
         _MALLOC_TRIM(0)
+
+
+def pin_mmap_threshold(nbytes: int) -> bool:
+    """Serve every allocation of ``nbytes`` or more from pages of its own, given back to the kernel when freed
+    (glibc's ``M_MMAP_THRESHOLD``; False where it cannot be set). glibc otherwise raises that threshold to the
+    largest block freed so far (up to 32 MiB), after which multi-MiB temporaries (activations, logits, dequantized
+    weights) come from the heap, and the holes they leave between live blocks stay resident: over one policy update
+    of an FP8 135M model the resident set rose 4.17 GiB against 1.53 GiB with the threshold pinned at 1 MiB."""
+    try:
+        import ctypes
+        import ctypes.util
+
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, int(nbytes)))
 
 
 def status_bytes(field: str) -> int | None:

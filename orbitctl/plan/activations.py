@@ -45,6 +45,11 @@ class ActivationSettings:
     adapter_bytes: int
     loss_chunk: int
     """Tokens per lm_head + loss chunk; 0 for the whole micro-batch at once."""
+    logit_positions: int = 0
+    """Positions of the micro-batch that reach the output layer: the train path asks the model for the completion's
+    logits only (``logits_to_keep``), so a short completion after a long prompt makes few; 0: every token."""
+    act_bytes: int = 2
+    """Bytes of one activation element, the compute dtype's (fp32 on a CPU without native bf16)."""
 
 
 @dataclass(frozen=True)
@@ -92,11 +97,12 @@ def _lora_inputs(arch: ArchSpec, layer: Layer, ad: AdapterPlan, kinds: tuple[str
         total += copies * ad.rank * st.adapter_bytes  # LoRA-A output, input of B
         if st.dropout:
             total += copies * 3 * d_in
-        if st.adapter_bytes == 4:
-            total += copies * 4 * d_in
-    # adapted modules reading the block's normed input share one saved copy of it
-    if not st.dropout and st.adapter_bytes == 2 and any(w.suffix in READS_NORMED for w in modules):
-        total += 2 * arch.hidden_size
+        if st.adapter_bytes == 4 and st.act_bytes != 4:
+            total += copies * 4 * d_in  # the input cast up to the adapters' fp32
+    # adapted modules reading the block's normed input share one saved copy of it (in the adapters' dtype when that
+    # is the compute dtype: no cast in between)
+    if not st.dropout and st.adapter_bytes == st.act_bytes and any(w.suffix in READS_NORMED for w in modules):
+        total += st.act_bytes * arch.hidden_size
     return total
 
 
@@ -108,35 +114,36 @@ def _adapted(layer: Layer, ad: AdapterPlan, suffixes: tuple[str, ...], kinds: tu
 def _attention_core(arch: ArchSpec, layer: Layer, ad: AdapterPlan, st: ActivationSettings) -> tuple[float, float]:
     """(saved bytes per token of the attention block without adapters and norm, of which its output)."""
     a, s = arch.num_heads, st.seq_len
+    w = st.act_bytes / 2  # the bf16 terms below, in the compute dtype
     if arch.attention == "mla":
         qk, dv = arch.qk_nope_head_dim + arch.qk_rope_head_dim, arch.v_head_dim
         # flash kernels need one head size: v (and so the output) is padded to the q/k size
         dv_kept = qk if st.flash else dv
-        attn = 2 * a * qk * 2 + 2 * a * dv_kept * 2 + 4 * a
+        attn = w * (2 * a * qk * 2 + 2 * a * dv_kept * 2) + 4 * a
         if arch.q_lora_rank:
-            attn += 4 * arch.q_lora_rank + 4 + (2 * arch.q_lora_rank if _adapted(layer, ad, ("q_b_proj",)) else 0)
-        attn += 4 * arch.kv_lora_rank + 4 + (2 * arch.kv_lora_rank if _adapted(layer, ad, ("kv_b_proj",)) else 0)
-        kv_heads, out = a, 2 * a * dv_kept
+            attn += 4 * arch.q_lora_rank + 4 + (w * 2 * arch.q_lora_rank if _adapted(layer, ad, ("q_b_proj",)) else 0)
+        attn += 4 * arch.kv_lora_rank + 4 + (w * 2 * arch.kv_lora_rank if _adapted(layer, ad, ("kv_b_proj",)) else 0)
+        kv_heads, out = a, w * 2 * a * dv_kept
     else:
         d, g = arch.head_dim, arch.num_kv_heads
-        attn = 2 * a * d + 2 * g * d + 2 * g * d + 2 * a * d + 4 * a
+        attn = w * (2 * a * d + 2 * g * d + 2 * g * d + 2 * a * d) + 4 * a
         if arch.qk_norm:
             attn += 4 * (a + g) * d + 4 * (a + g)
-        qk, dv, kv_heads, out = d, d, g, 2 * a * d
+        qk, dv, kv_heads, out = d, d, g, w * 2 * a * d
     if not st.flash:
         # eager: fp32 softmax kept for its backward, its bf16 copy for the value matmul,
         # and k/v expanded from kv_heads to every head
-        attn += 6 * a * s + 2 * (a - kv_heads) * (qk + dv)
+        attn += 6 * a * s + w * 2 * (a - kv_heads) * (qk + dv)
     return attn, out
 
 
-def _mlp_core(arch: ArchSpec, layer: Layer, ad: AdapterPlan) -> tuple[float, float, float]:
+def _mlp_core(arch: ArchSpec, layer: Layer, ad: AdapterPlan, act_bytes: int = 2) -> tuple[float, float, float]:
     """(saved bytes per token of the MLP/MoE block without adapters and norm, the part only an
     adapted down projection keeps, bf16 expert weights an expert adapter materialises)."""
-    h = arch.hidden_size
+    h, w = arch.hidden_size, act_bytes / 2  # the bf16 terms, in the compute dtype
     if not layer.moe:
         i = arch.intermediate_size
-        return 6 * i, (2 * i if _adapted(layer, ad, ("down_proj",), (MLP,)) else 0), 0.0
+        return w * 6 * i, (w * 2 * i if _adapted(layer, ad, ("down_proj",), (MLP,)) else 0), 0.0
     k, e, im = arch.experts_per_token, arch.num_experts, arch.moe_intermediate_size
     router = (8 if arch.attention == "mla" else 4) * e  # sigmoid scores + biased copy for DeepSeek
     core = k * (4 * h + 6 * im + 4) + router + 32 * k
@@ -165,7 +172,7 @@ def layer_activations(arch: ArchSpec, layer: Layer, ad: AdapterPlan, st: Activat
     norm1 = norm2 = 4.0 * h + 4
     attn, attn_out = _attention_core(arch, layer, ad, st)
     attn_lora = _lora_inputs(arch, layer, ad, (ATTENTION,), st)
-    mlp, mlp_down, materialized = _mlp_core(arch, layer, ad)
+    mlp, mlp_down, materialized = _mlp_core(arch, layer, ad, st.act_bytes)
     mlp_lora = _lora_inputs(arch, layer, ad, (MLP, SHARED_EXPERT, EXPERT, ROUTER), st)
     if layer.moe and ad.expert_layout != "none":
         mlp_lora += arch.experts_per_token * expert_adapter_saved(h, arch.moe_intermediate_size, ad.expert_rank,
@@ -199,8 +206,10 @@ def layer_activations(arch: ArchSpec, layer: Layer, ad: AdapterPlan, st: Activat
 
 
 def logits_peak(arch: ArchSpec, st: ActivationSettings, *, grad: bool = True) -> float:
-    """Bytes live in the lm_head + loss: 12V per token at the loss backward, 10V in a no-grad pass."""
-    tokens = min(st.loss_chunk, st.tokens) if st.loss_chunk else st.tokens
+    """Bytes live in the lm_head + loss: 12V per position at the loss backward, 10V in a no-grad pass, over the
+    positions that reach the output layer (the completion's, :attr:`ActivationSettings.logit_positions`)."""
+    positions = st.logit_positions or st.tokens
+    tokens = min(st.loss_chunk, positions) if st.loss_chunk else positions
     per_token = 12 if grad else 10
     return float(per_token * arch.vocab_size * tokens)
 
@@ -220,7 +229,7 @@ def train_activations(arch: ArchSpec, ad: AdapterPlan, st: ActivationSettings) -
             cache[key] = layer_activations(arch, layer, ad, st)
         per_layer.append(cache[key])
     final_norm = (4 * h + 4) * t
-    boundary = 2 * h * t
+    boundary = st.act_bytes * h * t
     host = 0.0
     if st.checkpointing:
         # each layer the backward reaches keeps its input (the layers below the first adapted one: none)
@@ -233,7 +242,7 @@ def train_activations(arch: ArchSpec, ad: AdapterPlan, st: ActivationSettings) -
         kept = sum(la.saved * t + la.materialized for la in per_layer)
         last = per_layer[-1]
         layer_moment = kept + (last.backward_peak() - last.saved) * t
-    chunked = bool(st.loss_chunk) and st.loss_chunk < st.tokens
+    chunked = bool(st.loss_chunk) and st.loss_chunk < (st.logit_positions or st.tokens)
     # a chunked loss recomputes each chunk's logits in backward and keeps only per-token values
     loss_logits = logits_peak(arch, st) + (8.0 * t if chunked else 0.0)
     no_grad_layer = max(max(la.attention_block, la.mlp_block) * t + la.materialized for la in per_layer)

@@ -16,8 +16,8 @@ from functools import lru_cache
 from orbitctl.arch.spec import ArchSpec
 from orbitctl.plan.activations import ActivationSettings, train_activations
 from orbitctl.plan.adapters import AdapterPlan, plan_adapters, routed_expert_adapters
-from orbitctl.plan.comm import (all_to_all_buffers, bytes_text, communication, compute_dtype_bytes, decoded_tokens,
-                                prompt_tokens, rollout_batch)
+from orbitctl.plan.comm import (all_to_all_buffers, bytes_text, communication, completions_per_gpu,
+                                compute_dtype_bytes, decoded_tokens, prompt_tokens, rollout_batch)
 from orbitctl.plan.layout import Layout, gather_units, gather_window, host_base, layout_of, resident_base
 from orbitctl.plan.memo import Same, Values
 from orbitctl.plan.result import MemoryPlan
@@ -40,6 +40,8 @@ gloo, the OpenMP pool and oneDNN's JIT kernels for the matmul shapes a step runs
 INT4_WORKSPACE_BYTES = 4 + 4
 """Per element of the largest INT4 matrix, the CPU dequantization workspace's int32 codes and float32 values
 (orbitctl.model.quant_linear.int4_workspace); the result in the compute dtype comes on top unless it is fp32."""
+FP8_DEQUANT_FP32_BYTES = 4 + 4 + 4
+"""Per element of the largest FP8 matrix, the fp32 tensors one plain-torch dequantization holds at once."""
 OVERLAP_COMM_FACTOR = 4.5
 VLLM_PREFILL_TOKENS = 8192
 """A separate engine's chunked-prefill budget (max_num_batched_tokens)."""
@@ -77,7 +79,11 @@ class Inputs:
 def prepare(profile, arch: ArchSpec) -> Inputs:
     """The Inputs of ``profile`` on ``arch``, one per architecture and quant, model dtype and adapter values: the
     re-plans of the advice, the layouts and the node count mostly change other sections and share them."""
-    return _inputs(Same(arch), Values(profile.quant), profile.model.dtype, Values(profile.adapter))
+    # the loader builds every weight it does not quantize (embeddings, norms, a skipped lm_head) in the compute
+    # dtype, whatever the checkpoint's; auto (resolved by the run, bf16 here) keeps the model's dtype
+    compute = profile.quant.compute_dtype
+    return _inputs(Same(arch), Values(profile.quant), profile.model.dtype if compute == "auto" else compute,
+                   Values(profile.adapter))
 
 
 @lru_cache(maxsize=32)
@@ -96,6 +102,8 @@ def _kv_cache(profile, arch: ArchSpec, mb: int) -> tuple[float, int]:
     seqs = rollout_batch(profile, mb)
     tp = ro.engine_tp if ro.engine == "separate" else 1
     per_token = arch.num_layers * arch.kv_bytes_per_token_layer(ro.kv_dtype)
+    if ro.kv_dtype == "bf16":  # the model's own cache, in the compute dtype (fp32 on a CPU without native bf16)
+        per_token *= compute_dtype_bytes(profile) / 2
     if arch.attention == "mla":
         replication = tp  # one latent 'head': every TP rank keeps the whole latent
     else:
@@ -104,8 +112,18 @@ def _kv_cache(profile, arch: ArchSpec, mb: int) -> tuple[float, int]:
     return seqs * context * per_token * replication, seqs
 
 
+SAMPLE_FP32_BYTES = 4 + 4 + 4
+"""Per vocabulary entry of a decoded sequence, what sampling holds in fp32 beside the logits
+(:meth:`orbitctl.model.policy.Policy.sample`): the temperature-scaled logits, their log-softmax (the sampled
+token's log-prob) and the probabilities drawn from."""
+KEYED_DRAW_BYTES = 8 + 8
+"""The keyed draw's float64 copy of those probabilities and its cumulative sum (:mod:`orbitctl.model.draws`),
+made where the probabilities are on a CPU rank; a GPU rank makes the copy on the device and sums on the host."""
+
+
 def _rollout_working(profile, arch: ArchSpec, seqs: int) -> float:
-    """No-grad prefill of the prompts (one layer's intermediates) plus sampling logits."""
+    """No-grad prefill of the prompts (one layer's intermediates) plus sampling logits: the output layer's
+    ``[seqs, V]`` in the compute dtype and :data:`SAMPLE_FP32_BYTES` + :data:`KEYED_DRAW_BYTES` per entry."""
     tokens = seqs * prompt_tokens(profile)
     if profile.rollout.engine == "separate":
         tokens = min(tokens, VLLM_PREFILL_TOKENS * profile.rollout.engine_tp)
@@ -113,7 +131,54 @@ def _rollout_working(profile, arch: ArchSpec, seqs: int) -> float:
     width = max(arch.intermediate_size if arch.moe_layers < arch.num_layers else 0,
                 arch.experts_per_token * arch.moe_intermediate_size + arch.shared_intermediate_size)
     per_token = 4 * h + 6 * width + 4 * arch.num_heads * max(arch.head_dim, arch.v_head_dim or 0)
-    return float(tokens * per_token + seqs * arch.vocab_size * 10)
+    on_cpu = profile.hardware.gpu == "cpu"
+    sampling = compute_dtype_bytes(profile) + SAMPLE_FP32_BYTES + (KEYED_DRAW_BYTES if on_cpu else 8)
+    return float(tokens * per_token + seqs * arch.vocab_size * sampling)
+
+
+def completion_positions(profile) -> int:
+    """Positions per sequence the train path runs the output layer on: the completion's and the one before it
+    (:meth:`orbitctl.model.policy.Policy.completion_logits` asks for ``logits_to_keep``); a multi-turn completion
+    holds the environment's replies too, which seq_len counts with the prompt, so all of seq_len there."""
+    if profile.rollout.max_turns > 1:
+        return profile.memory.seq_len
+    return min(profile.memory.seq_len, decoded_tokens(profile) + 1)
+
+
+KEPT_DIST_BUDGET_BYTES = 256 * 2**20
+"""The largest full infer distribution (rollout batch x max_new_tokens x V in fp32) the trainer keeps from the rollout
+for the align loss's full KL (:mod:`orbitctl.rl.trainer`); above it, and in an environment's episodes, the align
+loss takes the sampled-token k3 estimate and nothing over the vocabulary is kept."""
+ENTROPY_FP32_BYTES = 4
+"""Per vocabulary entry of a completion position, what the unchunked loss holds at its forward peak beyond the three
+fp32 copies ``logits_peak`` counts: the entropy metric's exp, product and masked product beside the kept log-softmax
+(:func:`orbitctl.distances.entropy`) are one copy more than the backward's gradient and input gradient."""
+KL_SAVED_BYTES = 4 + 4
+"""Per vocabulary entry of a completion position, what the full KL against the kept infer distribution saves for its
+backward (:func:`orbitctl.rl.losses.kl_full`): the train probabilities and the log-ratio, fp32."""
+
+
+def kept_dist_bytes(profile, arch: ArchSpec) -> float:
+    """Bytes per completion of the infer distribution the rollout keeps for the full KL (0 when it keeps none):
+    max_new_tokens x V in fp32, kept when the align loss is a KL, the rollout batch's stays within
+    :data:`KEPT_DIST_BUDGET_BYTES` and the data are prompts (not an environment's episodes)."""
+    align = profile.rl.align_loss
+    per_completion = 4.0 * profile.rollout.max_new_tokens * arch.vocab_size
+    kept = (align.kind == "kl" and align.weight > 0 and not profile.data.train.startswith("env:")
+            and rollout_batch(profile, profile.memory.micro_batch_size) * per_completion <= KEPT_DIST_BUDGET_BYTES)
+    return per_completion if kept else 0.0
+
+
+def _loss_vocab_terms(profile, arch: ArchSpec, mb: int, dist: float) -> float:
+    """The update's bytes over the vocabulary beside ``logits_loss``: the step's kept infer distribution (every
+    completion of this rank, in the rollout batch), the micro-batch's copy of its rows, what the full KL saves and
+    the entropy metric's temporaries (a chunked loss computes both a chunk at a time and copies rows per chunk)."""
+    chunk = profile.memory.loss_chunk_size
+    positions = mb * profile.rollout.max_new_tokens
+    if chunk:
+        positions = min(chunk, positions)
+    held = (completions_per_gpu(profile) + (0 if chunk else mb)) * dist
+    return held + positions * arch.vocab_size * (ENTROPY_FP32_BYTES + (KL_SAVED_BYTES if dist else 0))
 
 
 ROUTE_INDEX_BYTES = 8
@@ -182,6 +247,10 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
     largest = storage.largest_dequant_bytes // 2  # elements of the largest quantized matrix
     fixed["dequant_workspace"] = largest * (INT4_WORKSPACE_BYTES + (cdt if cdt != 4 else 0)) if workspace else 0
     dequant = 0.0 if workspace else float(storage.largest_dequant_bytes)
+    if fmt.name == "fp8":
+        # orbitctl.codec.formats.dequantize_fp8_blocks: the codes as fp32, the block scales spread to every element
+        # and their product (the result itself when the compute dtype is fp32), not only the result
+        dequant = largest * (FP8_DEQUANT_FP32_BYTES + (cdt if cdt != 4 else 0))
     fused = workspace and profile.quant.kernel != "dequantize"
     fixed["int4_kernel_pack"] = int(kernel_pack_bytes(storage, layout, profile.quant.group_size)) if fused else 0
     if ad.targets_routed_experts:
@@ -207,11 +276,16 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
     st = ActivationSettings(
         tokens=mb * mem.seq_len, seq_len=mem.seq_len, checkpointing=mem.gradient_checkpointing,
         offload=mem.offload_activations == "cpu", flash=mem.flash_attention, dropout=profile.adapter.dropout > 0,
-        adapter_bytes=2 if profile.adapter.dtype == "bf16" else 4, loss_chunk=mem.loss_chunk_size)
+        adapter_bytes=2 if profile.adapter.dtype == "bf16" else 4, loss_chunk=mem.loss_chunk_size,
+        logit_positions=mb * completion_positions(profile), act_bytes=cdt)
     acts = train_activations(arch, ad, st)
 
     # ---- rollout ----------------------------------------------------------------------------
     kv, seqs = _kv_cache(profile, arch, mb)
+    # the full infer distribution the rollout keeps for the align loss: decoding holds every step's so far beside the
+    # last step's sampling (then stacks them, once the sampling's temporaries are gone)
+    dist = kept_dist_bytes(profile, arch)
+    vocab_terms = _loss_vocab_terms(profile, arch, mb, dist)
     rollout_work = _rollout_working(profile, arch, seqs)
     separate = ro.engine == "separate"
     engine = storage.total_bytes / ro.engine_tp if separate else 0.0
@@ -235,11 +309,13 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
         "policy_update": {**resident, "zero3_gather": int(gather), "dequant_transient": int(dequant),
                           "all_to_all_buffers": int(a2a_update),
                           "adapter_gathered": int(states.gathered), "activations": int(acts.activations),
-                          "logits_loss": int(acts.logits), **engine_during_update},
+                          "logits_loss": int(acts.logits), "loss_vocab_terms": int(vocab_terms),
+                          **engine_during_update},
         "rollout": {**resident, **({"engine_weights": int(engine)} if separate else
                                    {"zero3_gather": int(gather), "dequant_transient": int(dequant),
                                     "all_to_all_buffers": int(a2a_rollout)}),
-                    "rollout_kv_cache": int(kv), "rollout_activations": int(rollout_work)},
+                    "rollout_kv_cache": int(kv), "rollout_activations": int(rollout_work),
+                    "infer_dist": int(seqs * dist)},
         "adapter_sync": {**resident, "adapter_sync": int(2 * ad.trainable_params),
                          **({"engine_weights": int(engine)} if separate else {})},
     }

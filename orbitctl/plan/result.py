@@ -34,6 +34,8 @@ COMPONENTS = {
     "logits_loss": "logits, fp32 log-softmax and its gradient",
     "rollout_kv_cache": "KV cache of the sequences being decoded",
     "rollout_activations": "prefill/decode working set",
+    "infer_dist": "the infer path's full distribution kept for the align loss's KL",
+    "loss_vocab_terms": "the kept distribution's copies, the KL's saved tensors and the entropy's temporaries",
     "engine_weights": "a separate inference engine's own weights",
     "adapter_sync": "full adapter gathered for the engine / checkpoint",
     "routing_record": "MoE: each token's experts per MoE layer (k int64 indices): recorded while decoding; in the "

@@ -17,12 +17,15 @@ that names the phase, given once each time the ratio leaves the band.
 from __future__ import annotations
 
 import contextlib
-from orbitctl.procmem import reset_high_water, return_freed_heap, status_bytes
+from orbitctl.procmem import pin_mmap_threshold, reset_high_water, return_freed_heap, status_bytes
 from orbitctl.units import MiB, gib
 
 PHASES = ("rollout", "policy_update")
 """The phases train runs as steps of its own (the shared engine syncs no adapter: rollout reads it in place)."""
 RATIO_BAND = (0.8, 1.2)
+MMAP_THRESHOLD_BYTES = 1 * MiB
+"""On the CPU, allocations from this size get pages of their own (:func:`orbitctl.procmem.pin_mmap_threshold`), so the
+resident set a phase rises by is what it holds, as the plan counts it, not the heap holes its freed temporaries left."""
 SLACK_BYTES = 256 * MiB
 """A difference smaller than this is not warned about whatever the ratio: on a tiny model the process's
 own allocations (allocator arenas, kernels, DeepSpeed's buffers) outweigh everything the plan models."""
@@ -49,6 +52,7 @@ class PhaseMemory:
         self.device = device
         self.cuda = device.startswith("cuda")
         if not self.cuda:
+            pin_mmap_threshold(MMAP_THRESHOLD_BYTES)  # before the base is built: its temporaries too
             return_freed_heap()  # the baseline is what is in use, like every phase's start
         self.baseline = 0 if self.cuda else (status_bytes("VmRSS") or 0)
         self.measured: dict[str, int] = {}
@@ -58,10 +62,16 @@ class PhaseMemory:
 
     @classmethod
     def for_profile(cls, profile, device: str = "cpu") -> "PhaseMemory":
-        """The plan's per-phase peak for ``profile`` (None where the planner has no such phase)."""
-        from orbitctl.plan import plan_profile
+        """The plan's per-phase peak for ``profile`` (None where the planner has no such phase), with its ``auto``
+        dtypes as this device resolves them: the plan counts auto as bf16 (the GPU rule), where a CPU without native
+        bf16 computes, caches and keeps its unquantized weights in fp32."""
+        from orbitctl.model.cpu_dtype import resolved_dtype
+        from orbitctl.plan import apply_changes, plan_profile
 
-        peaks = plan_profile(profile, with_advice=False).phase_peak_bytes
+        autos = {key: resolved_dtype("auto", device) for key, value in
+                 (("quant.compute_dtype", profile.quant.compute_dtype), ("adapter.dtype", profile.adapter.dtype))
+                 if value == "auto"}
+        peaks = plan_profile(apply_changes(profile, autos) if autos else profile, with_advice=False).phase_peak_bytes
         return cls({phase: peaks.get(phase) for phase in PHASES}, device)
 
     @contextlib.contextmanager
