@@ -18,7 +18,6 @@ from orbitctl.profile import dump_profile
 from orbitctl.rundir import RunDir, atomic_dir, atomic_write_json, atomic_write_text
 
 EventFn = Callable[[str, dict], None]
-FULL_DIST_BUDGET_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -195,8 +194,10 @@ def run_loop(profile, fresh, emit, rank, world, torch, closing) -> TrainResult:
     last: dict = {}
     # the full infer distribution is kept for the align loss only while it stays small
     # (tiny vocabularies); otherwise the align loss uses the sampled-token k3 estimate
+    from orbitctl.plan.budget import KEPT_DIST_BUDGET_BYTES  # the plan counts what is kept under the same rule
+
     dist_bytes = profile.rollout_batch_size * max_new * int(policy.model.config.vocab_size) * 4
-    keep_dist = rl.align_loss.kind == "kl" and rl.align_loss.weight > 0 and dist_bytes <= FULL_DIST_BUDGET_BYTES \
+    keep_dist = rl.align_loss.kind == "kl" and rl.align_loss.weight > 0 and dist_bytes <= KEPT_DIST_BUDGET_BYTES \
         and env is None  # multi-turn rollouts keep sampled-token log-probs only (k3 align estimate)
     while step < rl.steps:
         positions, items = zip(*stream.next_step(rl.prompts_per_step))
