@@ -243,8 +243,8 @@ def _char_policy(chat_template: bool):
     from orbitctl.model.charset import build_char_tokenizer
     from orbitctl.model.policy import Policy
 
-    policy = Policy.__new__(Policy)  # encode_prompts needs only the tokenizer and the flag
-    policy.tokenizer, policy.chat_template = build_char_tokenizer(), chat_template
+    policy = Policy.__new__(Policy)  # encode_prompts needs only the tokenizer, the flag and the system prompt
+    policy.tokenizer, policy.chat_template, policy.system_prompt = build_char_tokenizer(), chat_template, None
     return policy
 
 
@@ -265,6 +265,11 @@ def test_chat_template_renders_chat_turns_and_plain_prompts(tmp_path):
     bos = templated.tokenizer.bos_token_id
     assert [int((row == bos).sum()) for row in ids] == [1, 1]  # the template's BOS only, none added twice
     assert [int(m.sum()) for m in mask] == [len(t) + 1 for t in texts]
+    # data.system_prompt: before a plain prompt; a chat record's own system turn wins
+    templated.system_prompt = "Be terse."
+    ids, _ = templated.encode_prompts([chat_prompt, "1+1="])
+    assert templated.tokenizer.batch_decode(ids, skip_special_tokens=True) == [
+        "[system]Be brief.|[user]2+2?|[assistant]", "[system]Be terse.|[user]1+1=|[assistant]"]
 
 
 def test_data_format_on_builtin_tasks_is_refused(tmp_path, capsys, data_profile, one_error_line):
