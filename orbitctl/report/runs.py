@@ -31,7 +31,8 @@ class ReportRun:
     summary: dict
     """The run's summary.json ({} while a run has not written one)."""
     predicted: dict[str, int | None]
-    """``orbitctl plan``'s peak bytes per phase for the run's profile ({} when it could not be planned)."""
+    """The plan's peak bytes per phase: as the run recorded it, else ``orbitctl plan`` for its profile ({} when it
+    could not be planned)."""
     entropy: EntropyJudgement
     notes: list[str] = field(default_factory=list)
     """What the report could not use, said once (e.g. why there is no plan)."""
@@ -89,11 +90,21 @@ def _load_run(root: Path, label: str) -> ReportRun:
     profile = load_profile(run.profile)
     summary = read_json(run.summary, what="run summary") if run.summary.exists() else {}
     notes: list[str] = []
-    predicted = _plan_phases(profile, notes)
+    predicted = _recorded_plan(records) or _plan_phases(profile, notes)
     alignment = profile.alignment
     entropy = judge_entropy(metric_series(records, "entropy"), alignment.entropy_window,
                             alignment.entropy_fluctuation_max)
     return ReportRun(label, root, records, profile, summary, predicted, entropy, notes)
+
+
+def _recorded_plan(records: list[dict]) -> dict[str, int | None]:
+    """The plan's peak per phase as the run itself recorded it (``phase_memory.predicted_bytes``: the plan train made
+    for this device, its ``auto`` dtypes resolved); empty when no step recorded one."""
+    for record in reversed(records):
+        phases = record.get("phase_memory") or {}
+        if phases:
+            return {phase: entry.get("predicted_bytes") for phase, entry in phases.items()}
+    return {}
 
 
 def _plan_phases(profile, notes: list[str]) -> dict[str, int | None]:
