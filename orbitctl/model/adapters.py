@@ -72,14 +72,10 @@ def layer_index(name: str) -> int | None:
 
 
 def first_adapted_layer(model, last_layers: int | None) -> int:
-    """Index of the lowest decoder layer ``adapter.last_layers`` adapts (0: every layer)."""
-    if last_layers is None:
-        return 0
-    total = int(model.config.num_hidden_layers)
-    if last_layers > total:
-        raise UserError(f"adapter.last_layers: {last_layers}, and the model has {total} decoder layers",
-                        fix=f"set adapter.last_layers to at most {total}, or remove it to adapt every layer")
-    return total - last_layers
+    """Index of the lowest decoder layer ``adapter.last_layers`` adapts in ``model`` (0: every layer)."""
+    from orbitctl.plan.adapters import first_adapted_layer as first_of
+
+    return first_of(int(model.config.num_hidden_layers), last_layers)
 
 
 def resolve_targets(model, targets, last_layers: int | None = None) -> list[str]:

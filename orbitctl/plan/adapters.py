@@ -108,21 +108,22 @@ def _selected(arch: ArchSpec, targets) -> list[tuple[int, Weight]]:
     return chosen
 
 
-def first_adapted_layer(arch: ArchSpec, adapter) -> int:
-    """Index of the lowest decoder layer ``adapter.last_layers`` adapts (0: every layer)."""
-    if adapter.last_layers is None:
+def first_adapted_layer(num_layers: int, last_layers: int | None, model: str = "the model") -> int:
+    """Index of the lowest decoder layer ``adapter.last_layers`` adapts of ``num_layers`` (0: every layer); more
+    layers than ``model`` has is refused."""
+    if last_layers is None:
         return 0
-    if adapter.last_layers > arch.num_layers:
-        raise UserError(f"adapter.last_layers: {adapter.last_layers}, and {arch.name} has {arch.num_layers} decoder "
-                        "layers", fix=f"set adapter.last_layers to at most {arch.num_layers}, or remove it")
-    return arch.num_layers - adapter.last_layers
+    if last_layers > num_layers:
+        raise UserError(f"adapter.last_layers: {last_layers}, and {model} has {num_layers} decoder layers",
+                        fix=f"set adapter.last_layers to at most {num_layers}, or remove it to adapt every layer")
+    return num_layers - last_layers
 
 
 def plan_adapters(arch: ArchSpec, adapter) -> AdapterPlan:
     rank = adapter_rank(adapter, arch.hidden_size)
     h = arch.hidden_size
     threshold = 10 * h  # stage3_param_persistence_threshold as the HF integration sets it
-    first = first_adapted_layer(arch, adapter)
+    first = first_adapted_layer(arch.num_layers, adapter.last_layers, arch.name)
     if adapter.kind == "bottleneck":
         # down [r, h] + bias [r], up [h, r] + bias [h], after every adapted layer's MLP
         matrices = [rank * h, rank, h * rank, h]
