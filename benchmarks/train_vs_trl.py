@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/train_vs_trl.py                              # the demo setting
     .venv/bin/python benchmarks/train_vs_trl.py --setting representative     # 107 M llama, 64-token completions
     .venv/bin/python benchmarks/train_vs_trl.py --setting representative --reps 3 --steps 3 --json
+    .venv/bin/python benchmarks/train_vs_trl.py --setting smollm2           # SmolLM2-135M-Instruct, chat template
 
 Settings: ``benchmarks/settings.py``. Both trainers load the same NF4 checkpoint, train the same LoRA
 (all linear layers) on the same prompts, group size, completion length, sampling, learning rate and
@@ -108,10 +109,17 @@ def run_trl(s: settings.Setting, warmup: int, steps: int, work: Path) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
     tokenizer.padding_side = "left"
     items = {it.prompt: it for it in split.train}
-    data = Dataset.from_list([{"prompt": it.prompt} for it in split.train])
+    chat = profile.data.chat_template
+    system = [{"role": "system", "content": profile.data.system_prompt}] if chat and profile.data.system_prompt else []
+    # under a chat template TRL takes conversational prompts and renders them with the tokenizer's template itself
+    data = Dataset.from_list([{"prompt": [*system, {"role": "user", "content": it.prompt}] if chat else it.prompt}
+                              for it in split.train])
     score = make_reward(profile.data.reward, split.task)  # orbitctl's own reward function, called the same way
 
     def reward(prompts, completions, **_):
+        if chat:  # conversational: the prompt's last turn is the question, the completion one assistant turn
+            prompts = [p[-1]["content"] for p in prompts]
+            completions = [c[0]["content"] for c in completions]
         return score(completions, [items[p] for p in prompts])
 
     stamps: list[float] = []
@@ -179,9 +187,9 @@ KEYS = ("samples_per_s", "rollout_tokens_per_s", "update_tokens_per_s", "step_s"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--setting", choices=["demo", "representative"], default="demo")
-    parser.add_argument("--steps", type=int, default=None, help="measured steps per repetition (demo 20, representative 3)")
-    parser.add_argument("--warmup", type=int, default=None, help="steps before the measured ones (demo 5, representative 1)")
+    parser.add_argument("--setting", choices=settings.SETTINGS, default="demo")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per repetition (demo 20, else 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="steps before the measured ones (demo 5, else 1)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each trainer, alternating")
     parser.add_argument("--which", choices=["both", "orbitctl", "trl"], default="both")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))

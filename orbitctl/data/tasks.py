@@ -159,6 +159,21 @@ def _arith_score(completion: str, item: PromptItem) -> float:
     return 1.0 if match is not None and match.group(1) == item.answer else 0.0
 
 
+FACT_OPERATIONS = (("+", range(0, 14), range(0, 14)), ("times", range(2, 13), range(2, 13)))
+"""Addition facts to 13 + 13 and the times tables to 12 x 12: answers a small instruct model mostly knows, but gives
+inside an explanation ("To find 8 times 11, we ...") more often than on its own."""
+
+
+def _fact_items() -> list[PromptItem]:
+    return [PromptItem(prompt=f"What is {a} {op} {b}?", answer=str(a + b if op == "+" else a * b), source="builtin:facts")
+            for op, firsts, seconds in FACT_OPERATIONS for a in firsts for b in seconds]
+
+
+def _fact_held_out(item: PromptItem) -> bool:
+    # half of the facts, by a hash of the question: the other half trains
+    return zlib.crc32(item.prompt.encode()) % 2 == 0
+
+
 BUILTIN_TASKS: dict[str, BuiltinTask] = {
     "mod3": BuiltinTask(
         name="mod3",
@@ -180,6 +195,15 @@ BUILTIN_TASKS: dict[str, BuiltinTask] = {
                     "a fixed tenth of the questions held out",
         items=_arith_items, is_eval=_arith_held_out, score=_arith_score,
         format_example=lambda item, rng: str(rng.randrange(100)), max_new_tokens=10,
+        meta={"for": "pretrained instruct models under their chat template"},
+    ),
+    "facts": BuiltinTask(
+        name="facts",
+        description="an addition or times-table fact, 'What is 8 times 11?' (sums to 13 + 13, products to 12 x 12): "
+                    "the reward is 1 when the completion ends with the right number, as for arith; half of the "
+                    "questions held out",
+        items=_fact_items, is_eval=_fact_held_out, score=_arith_score,
+        format_example=lambda item, rng: str(rng.randrange(150)), max_new_tokens=10,
         meta={"for": "pretrained instruct models under their chat template"},
     ),
 }

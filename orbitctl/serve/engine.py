@@ -187,12 +187,14 @@ class Engine:
 
     def encode_chat(self, messages: list[tuple[str, str]]) -> list[int]:
         """Chat turns through the tokenizer's chat template when it has one, else the project's plain
-        rendering (:class:`~orbitctl.data.tasks.ChatPrompt`: ``role: content`` lines, then ``assistant:``)."""
+        rendering (:class:`~orbitctl.data.tasks.ChatPrompt`: ``role: content`` lines, then ``assistant:``).
+        Under the template a request without a system turn gets the profile's ``data.system_prompt``, as the
+        trainer's prompts did (:meth:`~orbitctl.model.policy.Policy.turns`)."""
         from orbitctl.data.tasks import ChatPrompt
 
         tokenizer = self.policy.tokenizer
         if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages], tokenize=False,
+            text = tokenizer.apply_chat_template(self.policy.turns(ChatPrompt(messages)), tokenize=False,
                                                  add_generation_prompt=True)
             return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template writes BOS
         return self.encode_text(str(ChatPrompt(messages)))
