@@ -177,10 +177,12 @@ def _sampling(profile, suite: str, samples: int | None, temperature: float | Non
                         fix=f"Raise --samples to {max(too_big)} or drop --k {too_big[0]}")
     if temperature is None:
         temperature = SAMPLED_TEMPERATURE if n > 1 else GREEDY
+    # under a chat template the prompt is a user turn, and the reply has code to extract, not a body to cut
+    humaneval, chat = suite == "humaneval", profile.data.chat_template
     return Sampling(samples=n, temperature=temperature, top_p=profile.rollout.top_p,
                     max_new_tokens=profile.rollout.max_new_tokens if max_new_tokens is None else max_new_tokens,
                     batch_size=profile.rollout_batch_size, seed=profile.run.seed,
-                    stop=HUMANEVAL_STOP if suite == "humaneval" else ())
+                    stop=HUMANEVAL_STOP if humaneval and not chat else (), chat_code=humaneval and chat)
 
 
 def _tally(ids: list[str], drawn: list[Sample], verdicts) -> tuple[list[tuple[str, int, int]], list[str]]:

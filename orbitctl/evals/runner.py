@@ -11,6 +11,7 @@ the base alone answers. Sample ``j`` of task ``i`` draws its tokens from key ``i
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -40,17 +41,37 @@ class Sampling:
     seed: int
     stop: tuple[str, ...] = ()
     """A completion is cut before the first of these."""
+    chat_code: bool = False
+    """Completions are chat replies to code prompts (HumanEval under ``data.chat_template``): the code is taken
+    from the reply (:func:`chat_completion`) instead of cutting the text at :attr:`stop`."""
 
     def to_dict(self) -> dict:
         return {"samples": self.samples, "temperature": self.temperature, "top_p": self.top_p,
                 "max_new_tokens": self.max_new_tokens, "batch_size": self.batch_size, "seed": self.seed,
-                "stop": list(self.stop)}
+                "stop": list(self.stop), "chat_code": self.chat_code}
 
 
 def truncate(text: str, stop: tuple[str, ...]) -> str:
     """``text`` up to the first stop sequence it holds."""
     cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
     return text[:cut]
+
+
+_FENCE = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.S)
+
+
+def chat_completion(reply: str, entry_point: str | None) -> str:
+    """A chat reply to a HumanEval prompt as a completion of that prompt.
+
+    An instruct model answers in its own words, usually with the whole function in a fenced block. The code is
+    the first fenced block (the whole reply when there is none). When it defines ``entry_point`` at top level it
+    follows the prompt as a new definition that replaces the prompt's (a docstring-only body), its imports with
+    it; otherwise it is read as the body and cut at :data:`HUMANEVAL_STOP`."""
+    block = _FENCE.search(reply)
+    code = block.group(1) if block else reply
+    if entry_point and re.search(rf"^def {re.escape(entry_point)}\s*\(", code, re.M):
+        return "\n" + code
+    return truncate(code, HUMANEVAL_STOP)
 
 
 def build_policy(profile, adapter: str | None):
@@ -90,7 +111,8 @@ def generate(policy, items: list[PromptItem], sampling: Sampling, *, base_only: 
                                      top_p=sampling.top_p, generator=None, keep_dist=False,
                                      keys=(sampling.seed, list(range(start, start + len(chunk)))))
             texts = [t for p in parts for t in policy.decode(p.completion_ids, p.completion_mask)]
-            out += [Sample(start + row // n, truncate(text, sampling.stop)) for row, text in enumerate(texts)]
+            out += [Sample(start + row // n, chat_completion(text, chunk[row // n].entry_point) if sampling.chat_code
+                           else truncate(text, sampling.stop)) for row, text in enumerate(texts)]
             if on_progress:
                 on_progress("generating", start + len(chunk), len(items))
     return out
