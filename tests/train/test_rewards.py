@@ -124,6 +124,27 @@ def test_arith_questions_are_right_and_their_held_out_tenth_spans_every_operatio
     assert not {i.prompt for i in split.eval} & {i.prompt for i in split.train}
 
 
+def test_facts_are_right_half_are_held_out_and_both_halves_hold_sums_and_products():
+    from orbitctl.profile.schema import DataSection
+
+    task = builtin_task("facts")
+    items = task.items()
+    assert len(items) == 14 * 14 + 11 * 11 and len({i.prompt for i in items}) == len(items)
+    for item in items:
+        a, op, b = item.prompt.removeprefix("What is ").removesuffix("?").split()
+        assert int(item.answer) == (int(a) + int(b) if op == "+" else int(a) * int(b))
+    held = [i for i in items if task.is_eval(i)]
+    assert 0.4 < len(held) / len(items) < 0.6
+    for part in (held, [i for i in items if not task.is_eval(i)]):
+        assert {i.prompt.split()[3] for i in part} == {"+", "times"}
+    split = load_prompts(DataSection(train="builtin:facts", eval_size=len(held)), seed=0)
+    assert {i.prompt for i in split.eval} == {i.prompt for i in held}
+    assert not {i.prompt for i in split.eval} & {i.prompt for i in split.train}
+    facts = make_reward("builtin", task)
+    answers = ["8 times 11 is 88.", "88", "To find 8 times 11, we can", "88 is the answer", "8 times 11 is 98."]
+    assert facts(answers, [PromptItem("What is 8 times 11?", "88")] * len(answers)) == [1.0, 1.0, 0.0, 0.0, 0.0]
+
+
 def test_user_reward_by_signature(tmp_path, monkeypatch):
     (tmp_path / "my_rewards.py").write_text(
         "def by_name(completion, answer):\n    return float(completion.strip() == answer)\n"
