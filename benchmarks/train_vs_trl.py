@@ -7,8 +7,8 @@
     .venv/bin/python benchmarks/train_vs_trl.py --setting smollm2           # SmolLM2-135M-Instruct, chat template
 
 Settings: ``benchmarks/settings.py``. Both trainers load the same NF4 checkpoint, train the same LoRA
-(all linear layers) on the same prompts, group size, completion length, sampling, learning rate and
-precision (orbitctl's resolved compute dtype: bf16 where the CPU has native bf16, else fp32; TRL's
+(all linear layers; of the last N with ``adapter.last_layers``, PEFT's ``layers_to_transform``) on the
+same prompts, group size, completion length, sampling, learning rate and precision (orbitctl's resolved compute dtype: bf16 where the CPU has native bf16, else fp32; TRL's
 ``bf16`` flag follows it), with the same number of torch threads, each repetition in a fresh process,
 the two trainers alternating.
 
@@ -158,8 +158,10 @@ def run_trl(s: settings.Setting, warmup: int, steps: int, work: Path) -> dict:
         report_to="none", scale_rewards="group" if rl.std_normalize else "none", loss_type="dapo",
         warmup_steps=rl.warmup_steps, lr_scheduler_type="constant_with_warmup", max_grad_norm=rl.grad_clip,
         shuffle_dataset=True, seed=0, dataloader_num_workers=0)
+    layers = model.config.num_hidden_layers
+    last = list(range(layers - adapter.last_layers, layers)) if adapter.last_layers else None  # adapter.last_layers
     lora = LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, lora_dropout=0.0, target_modules="all-linear",
-                      task_type="CAUSAL_LM")
+                      layers_to_transform=last, task_type="CAUSAL_LM")
     trainer = Timed(model=model, reward_funcs=reward, args=config, train_dataset=data, processing_class=tokenizer,
                     peft_config=lora, callbacks=[Clock()])
     trainer.train()
