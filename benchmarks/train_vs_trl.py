@@ -8,9 +8,9 @@
 
 Settings: ``benchmarks/settings.py``. Both trainers load the same NF4 checkpoint, train the same LoRA
 (all linear layers; of the last N with ``adapter.last_layers``, PEFT's ``layers_to_transform``) on the
-same prompts, group size, completion length, sampling, learning rate and precision (orbitctl's resolved compute dtype: bf16 where the CPU has native bf16, else fp32; TRL's
-``bf16`` flag follows it), with the same number of torch threads, each repetition in a fresh process,
-the two trainers alternating.
+same prompts, group size, completion length, sampling, learning rate and precision (orbitctl's resolved
+compute dtype: bf16 where the CPU has native bf16, else fp32; TRL's ``bf16`` flag follows it), with
+the same number of torch threads, each repetition in a fresh process, the two trainers alternating.
 
 Timing, the same on both sides: the wall-clock between the ends of consecutive optimizer steps
 (orbitctl's ``step`` event, TRL's ``on_step_end``), after ``--warmup`` steps; the step after the
@@ -159,7 +159,7 @@ def run_trl(s: settings.Setting, warmup: int, steps: int, work: Path) -> dict:
         warmup_steps=rl.warmup_steps, lr_scheduler_type="constant_with_warmup", max_grad_norm=rl.grad_clip,
         shuffle_dataset=True, seed=0, dataloader_num_workers=0)
     layers = model.config.num_hidden_layers
-    last = list(range(layers - adapter.last_layers, layers)) if adapter.last_layers else None  # adapter.last_layers
+    last = list(range(layers - adapter.last_layers, layers)) if adapter.last_layers else None
     lora = LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, lora_dropout=0.0, target_modules="all-linear",
                       layers_to_transform=last, task_type="CAUSAL_LM")
     trainer = Timed(model=model, reward_funcs=reward, args=config, train_dataset=data, processing_class=tokenizer,
