@@ -160,7 +160,9 @@ def run_trl(s: settings.Setting, warmup: int, steps: int, work: Path) -> dict:
         shuffle_dataset=True, seed=0, dataloader_num_workers=0)
     layers = model.config.num_hidden_layers
     last = list(range(layers - adapter.last_layers, layers)) if adapter.last_layers else None
-    lora = LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, lora_dropout=0.0, target_modules="all-linear",
+    # PEFT takes layers_to_transform only with named modules: the llama linears "all-linear" picks
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"] if last else "all-linear"
+    lora = LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, lora_dropout=0.0, target_modules=targets,
                       layers_to_transform=last, task_type="CAUSAL_LM")
     trainer = Timed(model=model, reward_funcs=reward, args=config, train_dataset=data, processing_class=tokenizer,
                     peft_config=lora, callbacks=[Clock()])
