@@ -139,14 +139,18 @@ ARITH_OPERATIONS = (("+", range(2, 30), range(2, 30)), ("-", range(10, 40), None
 _FINAL_NUMBER = re.compile(r"(-?\d+)\s*\.?\s*$")
 
 
+_APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "times": lambda a, b: a * b}
+
+
+def _questions(operations, source: str) -> list[PromptItem]:
+    """'What is a op b?' for every (op, firsts, seconds) of ``operations`` (seconds None: 1 .. a - 1)."""
+    return [PromptItem(prompt=f"What is {a} {op} {b}?", answer=str(_APPLY[op](a, b)), source=source)
+            for op, firsts, seconds in operations for a in firsts
+            for b in (seconds if seconds is not None else range(1, a))]
+
+
 def _arith_items() -> list[PromptItem]:
-    items = []
-    for op, firsts, seconds in ARITH_OPERATIONS:
-        for a in firsts:
-            for b in (seconds if seconds is not None else range(1, a)):
-                value = a + b if op == "+" else a - b if op == "-" else a * b
-                items.append(PromptItem(prompt=f"What is {a} {op} {b}?", answer=str(value), source="builtin:arith"))
-    return items
+    return _questions(ARITH_OPERATIONS, "builtin:arith")
 
 
 def _arith_held_out(item: PromptItem) -> bool:
@@ -165,14 +169,15 @@ inside an explanation ("To find 8 times 11, we ...") more often than on its own.
 
 
 def _fact_items() -> list[PromptItem]:
-    return [PromptItem(prompt=f"What is {a} {op} {b}?", answer=str(a + b if op == "+" else a * b), source="builtin:facts")
-            for op, firsts, seconds in FACT_OPERATIONS for a in firsts for b in seconds]
+    return _questions(FACT_OPERATIONS, "builtin:facts")
 
 
 def _fact_held_out(item: PromptItem) -> bool:
     # half of the facts, by a hash of the question: the other half trains
     return zlib.crc32(item.prompt.encode()) % 2 == 0
 
+
+_FOR_INSTRUCT_MODELS = {"for": "pretrained instruct models under their chat template"}
 
 BUILTIN_TASKS: dict[str, BuiltinTask] = {
     "mod3": BuiltinTask(
@@ -195,7 +200,7 @@ BUILTIN_TASKS: dict[str, BuiltinTask] = {
                     "a fixed tenth of the questions held out",
         items=_arith_items, is_eval=_arith_held_out, score=_arith_score,
         format_example=lambda item, rng: str(rng.randrange(100)), max_new_tokens=10,
-        meta={"for": "pretrained instruct models under their chat template"},
+        meta=_FOR_INSTRUCT_MODELS,
     ),
     "facts": BuiltinTask(
         name="facts",
@@ -204,7 +209,7 @@ BUILTIN_TASKS: dict[str, BuiltinTask] = {
                     "questions held out",
         items=_fact_items, is_eval=_fact_held_out, score=_arith_score,
         format_example=lambda item, rng: str(rng.randrange(150)), max_new_tokens=10,
-        meta={"for": "pretrained instruct models under their chat template"},
+        meta=_FOR_INSTRUCT_MODELS,
     ),
 }
 
