@@ -15,6 +15,11 @@
    (POST /v1/load_lora_adapter); its sampled completions with log-probs go through
    `orbitctl verify-alignment --rollouts` against the trainer's path. Skipped, and said so, without
    vLLM; with --smoke the same step runs against `orbitctl serve` (which speaks vLLM's API).
+5. Decode at Kimi-K2 width (the slice of step 2, one GPU): the routed INT4 experts as the grouped Triton kernel
+   (quant.kernel: fused) against the same experts dequantized one by one, greedy decode tokens/s of each, the grouped
+   kernel's largest difference from the dequantizing path on one layer, and the tokens/s the time model predicts for
+   the same decode (`orbitctl plan`'s rollout decode of a profile of the slice). Decoding is eager: no CUDA graph
+   (train has none), so the overhead term is what the prediction is checked on.
 4. The chunked loss at Kimi-K2's output width (vocabulary 163,840, hidden 7168, 4096 tokens) and
    the activation offload (8 layers, hidden 4096): the peak's fall and the bytes sent to host
    against the plan's logits and boundary terms (benchmarks/memory_mechanics.py).
@@ -87,8 +92,15 @@ def main() -> None:
     rows.append(("slice train", f"{result['steps']} steps in {seconds:.0f} s", "ok" if result["steps"] else "FAIL"))
     rows += memory_rows("slice", result["last_metrics"])
 
-    # 4. the chunked loss and the activation offload against the plan
+    # 5. decode at Kimi-K2 width: grouped INT4 experts, measured against the time model
     device = "cpu" if args.smoke else "cuda"
+    from moe_decode import decode_rows
+
+    decode_sets = slice_sets(slice_dir, work / "slice-decode", gpu, 1, seq, 8 if args.smoke else 64)
+    rows += decode_rows(slice_dir, profile_file(work, {**decode_sets, "name": "decode-slice"}), device,
+                        batch=4 if args.smoke else 32, new=8 if args.smoke else 64)
+
+    # 4. the chunked loss and the activation offload against the plan
     rows += chunked_loss_rows(device, args.smoke) + offload_rows(device, args.smoke)
     print_rows(rows)
 

@@ -49,24 +49,89 @@ def decode(args) -> None:
     vocab = model.config.vocab_size
     prompt = torch.randint(0, vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
 
-    def run() -> tuple[float, list[list[int]]]:
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-        start = time.perf_counter()
-        with torch.inference_mode():
-            logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1]
-            tokens = []
-            for _ in range(args.new):
-                nxt = logits.argmax(-1, keepdim=True)
-                tokens.append(nxt)
-                logits = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1]
-        return time.perf_counter() - start, torch.cat(tokens, 1).tolist()
-
-    run()  # warm-up: oneDNN kernels, the allocator
-    seconds, tokens = run()
+    greedy_decode(model, prompt, args.new)  # warm-up: oneDNN kernels, the allocator
+    seconds, tokens = greedy_decode(model, prompt, args.new)
     print(json.dumps({"tokens_per_s": args.batch * args.new / seconds, "seconds": seconds, "tokens": tokens,
                       "pack_bytes": packs, "dtype": str(next(model.parameters()).dtype)}))
+
+
+def greedy_decode(model, prompt, new: int):
+    """``new`` greedy tokens for every row of ``prompt`` through transformers' dynamic KV cache (no EOS: every
+    completion full length); returns (seconds, tokens)."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    sync = torch.cuda.synchronize if prompt.device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+        tokens = []
+        for _ in range(new):
+            nxt = logits.argmax(-1, keepdim=True)
+            tokens.append(nxt)
+            logits = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[:, -1]
+    sync()
+    return time.perf_counter() - start, torch.cat(tokens, 1).tolist()
+
+
+def decode_rows(model_dir: Path, profile_path: Path, device: str, *, batch: int, new: int,
+                prompt_len: int = 16) -> list[tuple[str, str, str]]:
+    """benchmarks/device_check.py's decode step: ``model_dir`` (an INT4 MoE) on ``device`` decoded greedy with its
+    experts grouped (on a GPU; the CPU's fused kernel with --smoke) and dequantized one by one, against the decode
+    tokens/s the time model predicts for ``profile_path`` at this batch and length. (check, figure, verdict) rows."""
+    import torch
+
+    from orbitctl.model.cpu_dtype import torch_dtype
+    from orbitctl.model.frozen_base import load_frozen_base, use_fused_int4
+    from orbitctl.plan import plan_profile
+    from orbitctl.profile import load_profile
+
+    dtype = torch.bfloat16 if device == "cuda" else torch_dtype("auto", "cpu")
+    model = load_frozen_base(model_dir, device=device, compute_dtype=dtype)
+    packs = use_fused_int4(model)
+    layers = [m for m in model.modules() if getattr(m, "stack", None) is not None]
+    rows = [("INT4 kernels", f"{len(layers)} MoE layer(s) grouped, {packs / 2**20:.1f} MiB of dense kernel packs",
+             "ok" if layers or device != "cuda" else "FAIL")]
+    if layers:  # one layer's experts: the grouped kernel against the per-expert dequantizing loop
+        moe = layers[0]
+        g = torch.Generator().manual_seed(0)
+        hidden = torch.randn(64, model.config.hidden_size, generator=g).to(device, dtype)
+        index = torch.randint(0, moe.num_experts, (64, model.config.num_experts_per_tok), generator=g).to(device)
+        weights = torch.rand(index.shape, generator=g).to(device, dtype)
+        with torch.inference_mode():
+            grouped = moe(hidden, index, weights).float()
+            stack, moe.stack = moe.stack, None
+            loop = moe(hidden, index, weights).float()
+            moe.stack = stack
+        rel = float((grouped - loop).abs().max() / loop.abs().max())
+        rows.append(("grouped vs dequantize", f"largest difference {rel:.2e} of the layer's largest output",
+                     "ok" if rel < 2 ** -6 else "FAIL"))
+    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.to(device)
+    measured = {}
+    for label in ("grouped" if layers else "fused", "dequantize"):
+        if label == "dequantize":
+            for m in layers:
+                m.stack = None
+            for m in model.modules():
+                if hasattr(m, "kernel_pack"):
+                    m.kernel_pack = None
+        greedy_decode(model, prompt, 2)  # warm-up: kernels compiled, the allocator
+        seconds, _ = greedy_decode(model, prompt, new)
+        measured[label] = batch * new / seconds
+    profile = load_profile(str(profile_path), [f"rollout.batch_size={batch}", f"rollout.max_new_tokens={new}",
+                                               f"rl.prompts_per_step={batch // 2}", "rl.group_size=2",
+                                               "quant.kernel=fused"])
+    decode = plan_profile(profile, with_advice=False).timing.phases["rollout"].parts["decode"]
+    predicted = decode.tokens / decode.seconds / profile.world_size if decode.seconds else 0.0
+    fast = "grouped" if layers else "fused"
+    rows.append(("decode tokens/s", f"{fast} {measured[fast]:.0f}, dequantize {measured['dequantize']:.0f} "
+                                    f"({measured[fast] / measured['dequantize']:.2f}x); the plan predicts {predicted:.0f} "
+                                    f"({decode.bound}-bound)",
+                 f"measured/predicted {measured[fast] / predicted:.2f}" if predicted else "no prediction"))
+    return rows
 
 
 def child(tree: Path, model: Path, kernel: str, args) -> dict:

@@ -131,7 +131,7 @@ class BoundExpertLoRA:
     experts' gradients once."""
 
     def __init__(self, lora: ExpertLoRA) -> None:
-        self.scale, self.dtype, self._slot = lora.scale, lora.dtype, lora._slot
+        self.scale, self.dtype, self._slot, self.layout = lora.scale, lora.dtype, lora._slot, lora.layout
         self._factors = {}
         for projection in PROJECTIONS:
             for part in ("A", "B"):

@@ -27,6 +27,7 @@ from torch import nn
 
 from orbitctl.errors import UserError
 from orbitctl.model.expert_lora import experts_by_row
+from orbitctl.model.grouped_int4 import takes_lora
 from orbitctl.plan.layout import owned_experts
 
 
@@ -110,6 +111,8 @@ class ExpertParallelExperts(nn.Module):
         self.held = owned
         self.expert_lora = None
         """The adapters of the experts held here (:class:`~orbitctl.model.expert_lora.ExpertLoRA`), when asked for."""
+        self.stack = None
+        """The held experts stacked for the grouped GPU kernel (:class:`~orbitctl.model.grouped_int4.ExpertStack`)."""
 
     def expert(self, index: int) -> nn.Module:
         return getattr(self, str(index))
@@ -122,6 +125,8 @@ class ExpertParallelExperts(nn.Module):
                 return x + 0.0 * sum(p.sum() for p in lora.parameters()).to(x.dtype)
             return x + 0.0
         lora = self.expert_lora.bound() if self.expert_lora is not None else None
+        if self.stack is not None and takes_lora(lora):
+            return self.stack.forward(x, experts - self.first, 1, self.act_fn, lora)
         return experts_by_row(self, experts, lambda order: x[order], lora)[0]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:

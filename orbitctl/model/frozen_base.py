@@ -89,20 +89,22 @@ def load_frozen_base(quantized_dir: str | Path, *, device: str | torch.device = 
 
 
 def int4_kernel(name: str, fmt: str, device_type: str) -> str:
-    """``quant.kernel`` resolved where the model runs: ``fused`` or ``dequantize``. auto is fused for INT4 on the CPU
-    where this torch has the kernel and its rows do not depend on the rows beside them (the probe of
-    :func:`~orbitctl.model.int4_kernel.cpu_kernel_available`); fused asked for is fused wherever the kernel exists
-    (and refused on a GPU before this, profile/support.py)."""
-    from orbitctl.model.int4_kernel import cpu_kernel_available, cpu_kernel_present
+    """``quant.kernel`` resolved where the model runs: ``fused`` or ``dequantize``. auto is fused for INT4 where this
+    torch has the device's kernel (the CPU's, or CUDA's tinygemm) and its rows do not depend on the rows beside them
+    (the once-per-process probe of :func:`~orbitctl.model.int4_kernel.rows_are_independent`); fused asked for is
+    fused wherever the kernel exists."""
+    from orbitctl.model import int4_kernel as kernels
 
-    if fmt != "int4" or name == "dequantize" or device_type != "cpu":
+    if fmt != "int4" or name == "dequantize" or device_type not in ("cpu", "cuda"):
         return "dequantize"
+    present = kernels.cpu_kernel_present if device_type == "cpu" else kernels.cuda_kernel_present
     if name == "fused":
-        if not cpu_kernel_present():
-            raise UserError(f"quant.kernel: fused needs torch's CPU INT4 kernel, which torch {torch.__version__} lacks",
-                            fix="set quant.kernel: auto or dequantize")
+        if not present():
+            raise UserError(f"quant.kernel: fused needs torch's {device_type.upper()} INT4 kernel, which torch "
+                            f"{torch.__version__} lacks", fix="set quant.kernel: auto or dequantize")
         return "fused"
-    return "fused" if cpu_kernel_available() else "dequantize"
+    available = kernels.cpu_kernel_available if device_type == "cpu" else kernels.cuda_kernel_available
+    return "fused" if available() else "dequantize"
 
 
 def use_fused_int4(model: nn.Module, *, buffers_only: bool = False) -> int:
@@ -110,19 +112,39 @@ def use_fused_int4(model: nn.Module, *, buffers_only: bool = False) -> int:
     the bytes the packs hold. ``buffers_only``: only the layers held as buffers (an expert-parallel rank's
     experts), under ZeRO-3, which partitions the parameters after loading: a pack built from a whole
     parameter would keep on every rank what ZeRO-3 shards. A layer of a shape the kernel does not take
-    keeps dequantizing."""
+    keeps dequantizing. On a GPU with Triton, the routed experts of a MoE layer are stacked for the grouped
+    kernel instead (:func:`use_grouped_experts`), which holds no second copy."""
     from orbitctl.model.int4_kernel import unsupported_shape
     from orbitctl.model.quant_linear import QuantLinear
 
+    grouped = use_grouped_experts(model, buffers_only=buffers_only)
     total = 0
     for module in model.modules():
-        if not isinstance(module, QuantLinear) or module.fmt != "int4":
+        if not isinstance(module, QuantLinear) or module.fmt != "int4" or id(module) in grouped:
             continue
         if buffers_only and "weight_packed" not in module._buffers:
             continue
-        if unsupported_shape(module.out_features, module.in_features, module.group_size) is None:
+        device = module.weight_packed.device.type
+        if unsupported_shape(module.out_features, module.in_features, module.group_size, device) is None:
             total += module.use_fused_kernel()
     return total
+
+
+def use_grouped_experts(model: nn.Module, *, buffers_only: bool = False) -> set[int]:
+    """On a CUDA device with Triton, stack every MoE layer's routed INT4 experts for the grouped kernel
+    (:class:`~orbitctl.model.grouped_int4.ExpertStack`, attached as the layer's ``stack``); returns the ids of
+    the experts' linears so stacked. A layer whose expert adapters are per expert, or whose experts ZeRO-3
+    partitions (``buffers_only`` and held as parameters), keeps its per-expert loop."""
+    from orbitctl.model.grouped_int4 import ExpertStack, grouped_supported
+
+    stacked: set[int] = set()
+    for module in model.modules():
+        if not grouped_supported(module, buffers_only=buffers_only):
+            continue
+        module.stack = ExpertStack.of(module)
+        for e in module.held:
+            stacked.update(id(m) for m in module.expert(e).children())
+    return stacked
 
 
 def apply_int4_kernel(model: nn.Module, profile, device) -> int:

@@ -35,6 +35,17 @@ KERNEL_GROUPS = (32, 64, 128, 256)
 """Group sizes the CPU kernel takes."""
 
 
+def cuda_kernel_present() -> bool:
+    """Whether this torch has the CUDA weight-only INT4 kernel (tinygemm) and its repacking op."""
+    ops = torch.ops.aten
+    return hasattr(ops, "_weight_int4pack_mm") and hasattr(ops, "_convert_weight_to_int4pack")
+
+
+def inner_k_tiles(in_features: int) -> int:
+    """The CUDA kernel's inner K tiles for ``in_features`` (it reads K in tiles of 16 x this): 8, 4 or 2."""
+    return next((tiles for tiles in (8, 4, 2) if in_features % (16 * tiles) == 0), 0)
+
+
 def cpu_kernel_present() -> bool:
     """Whether this torch has the CPU weight-only INT4 kernel and its repacking op."""
     ops = torch.ops.aten
@@ -44,32 +55,33 @@ def cpu_kernel_present() -> bool:
 def cpu_kernel_available() -> bool:
     """Whether the kernel is present and on this CPU computes every output row bit for bit alike whatever the rows
     beside it (:func:`rows_are_independent`): what ``quant.kernel: auto`` fuses on."""
-    return cpu_kernel_present() and rows_are_independent()
+    return cpu_kernel_present() and rows_are_independent("cpu")
 
 
-@functools.lru_cache(maxsize=1)
-def rows_are_independent() -> bool:
-    """Probe once per process: the kernel's rows of a many-row product equal the rows computed alone and in small
-    batches. The infer and train paths agree at the floor only if this holds (a kernel that switched to a blocked
-    algorithm for many rows would round differently); where it does not, ``quant.kernel: auto`` dequantizes."""
+def cuda_kernel_available() -> bool:
+    """The same for the CUDA kernel on this process's GPU."""
+    return cuda_kernel_present() and torch.cuda.is_available() and rows_are_independent("cuda")
+
+
+@functools.lru_cache(maxsize=2)
+def rows_are_independent(device_type: str = "cpu") -> bool:
+    """Probe once per process and device type: the kernel's rows of a many-row product equal the rows computed alone
+    and in small batches. The infer and train paths agree at the floor only if this holds (a kernel that switched to
+    a blocked algorithm for many rows would round differently); where it does not, ``quant.kernel: auto`` dequantizes."""
     generator = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 16, (256, 512), generator=generator, dtype=torch.int32)
+    words = torch.randint(-2**31, 2**31 - 1, (256, 64), generator=generator, dtype=torch.int32)
     scale = (torch.rand(256, 16, generator=generator) * 0.02 + 0.001).to(torch.bfloat16)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
-    table = torch.zeros(16, 256, 2, dtype=torch.bfloat16)
-    table[..., 0] = scale.t()
-    x = torch.randn(600, 512, generator=generator).to(torch.bfloat16)
-
-    def run(rows: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, 32, table)
-
-    whole = run(x)
-    return all(torch.equal(run(x[start:start + rows]), whole[start:start + rows])
+    pack = Int4Pack.of(words.to(device_type), scale.to(device_type))
+    x = torch.randn(600, 512, generator=generator).to(torch.bfloat16).to(device_type)
+    whole = pack.matmul(x)
+    return all(torch.equal(pack.matmul(x[start:start + rows]), whole[start:start + rows])
                for start, rows in ((0, 1), (1, 3), (7, 16), (40, 64), (100, 500)))
 
 
-def unsupported_shape(out_features: int, in_features: int, group_size: int) -> str | None:
-    """Why the CPU kernel cannot take an [out, in] weight in groups of ``group_size`` (None: it can)."""
+def unsupported_shape(out_features: int, in_features: int, group_size: int, device_type: str = "cpu") -> str | None:
+    """Why the kernel of ``device_type`` cannot take an [out, in] weight in groups of ``group_size`` (None: it can)."""
+    if device_type == "cuda" and not inner_k_tiles(in_features):
+        return f"{in_features} input features (the CUDA kernel reads them in tiles of 32)"
     if group_size not in KERNEL_GROUPS:
         return f"group size {group_size} (the kernel takes {', '.join(map(str, KERNEL_GROUPS))})"
     if out_features % 16:
@@ -108,18 +120,24 @@ class Int4Pack:
         out_features, words = weight_packed.shape
         in_features = words * 8
         group_size = in_features // weight_scale.shape[-1]
-        why = unsupported_shape(out_features, in_features, group_size)
+        device = weight_packed.device
+        why = unsupported_shape(out_features, in_features, group_size, device.type)
         if why is not None:
             raise ValueError(f"the fused INT4 kernel cannot take this weight: {why}")
         with torch.no_grad():
             codes = unpack_int4(weight_packed, in_features).add_(8)  # unsigned 0..15, as the kernel reads them
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 2)
+            if device.type == "cuda":  # tinygemm: two codes a byte, the even one in the high nibble
+                pairs = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
+                packed = torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), inner_k_tiles(in_features))
+                del pairs
+            else:
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 2)
             del codes
             tables = []
             for term in _scale_terms(weight_scale):
-                table = torch.zeros(in_features // group_size, out_features, 2, dtype=torch.bfloat16)
+                table = torch.zeros(in_features // group_size, out_features, 2, dtype=torch.bfloat16, device=device)
                 table[..., 0] = term.t()
-                tables.append(table)
+                tables.append(table.contiguous())
         return cls(packed, tables, group_size, in_features, out_features)
 
     def nbytes(self) -> int:
@@ -128,7 +146,7 @@ class Int4Pack:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T for x [..., in]: the result in x's dtype (bf16-rounded, see the module's docstring)."""
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+        kernel = torch.ops.aten._weight_int4pack_mm if x.device.type == "cuda" else torch.ops.aten._weight_int4pack_mm_for_cpu
         out = kernel(rows, self.packed, self.group_size, self.scales_and_zeros[0])
         if len(self.scales_and_zeros) > 1:
             out = out.to(torch.float32) + kernel(rows, self.packed, self.group_size, self.scales_and_zeros[1])

@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from orbitctl.codec.formats import dequantize_fp8_blocks, dequantize_int4, dequantize_int4_into
 from orbitctl.model.expert_lora import experts_by_row
+from orbitctl.model.grouped_int4 import takes_lora
 from orbitctl.model.int4_kernel import Int4Pack
 
 _WORKSPACE = threading.local()
@@ -205,6 +206,9 @@ class QuantExperts(nn.Module):
         self.held = range(self.num_experts)
         self.expert_lora = None
         """The experts' adapters (:class:`~orbitctl.model.expert_lora.ExpertLoRA`), when adapter.experts asks."""
+        self.stack = None
+        """The experts stacked for the grouped GPU kernel (:class:`~orbitctl.model.grouped_int4.ExpertStack`), or None:
+        the per-expert loop."""
 
     def expert(self, index: int) -> ExpertMLP:
         return getattr(self, str(index))
@@ -214,6 +218,10 @@ class QuantExperts(nn.Module):
         contiguous rows (:func:`experts_by_row`), the weighted results added back to their tokens at once."""
         k = top_k_index.shape[-1]
         lora = self.expert_lora.bound() if self.expert_lora is not None else None
+        if self.stack is not None and takes_lora(lora):  # every slot in its own row, in the slots' order
+            out = self.stack.forward(hidden_states, top_k_index.reshape(-1), k, self.act_fn, lora)
+            weighted = out.view(*top_k_index.shape, -1) * top_k_weights[..., None].to(out.dtype)
+            return weighted.sum(-2).to(hidden_states.dtype)
         out, order = experts_by_row(self, top_k_index.reshape(-1),
                                     lambda order: hidden_states[torch.div(order, k, rounding_mode="floor")],
                                     lora, restore_order=False)

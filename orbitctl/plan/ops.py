@@ -41,6 +41,13 @@ OPS_EXPERT_DISPATCH = 14
 """Once per MoE layer (orbitctl.model.expert_lora.experts_by_row): the slots sorted by expert (argsort, index,
 unique_consecutive), the tokens gathered, split into one run per expert and the runs concatenated, the top-k
 weights gathered and applied, one index_add into the zeroed output."""
+OPS_GROUPED_EXPERTS = 40
+"""Once per MoE layer whose routed experts run grouped (orbitctl.model.grouped_int4, an NVIDIA GPU): the slots sorted
+into padded blocks by expert (align_blocks: 24 ops of static shapes), the activations cast, the two kernel launches
+(gate and up as one, down) with their outputs, the activation, its product, the weighted sum over the top-k slots."""
+OPS_GROUPED_BACKWARD = 40
+"""Per hit expert in the backward of a grouped layer: for each of its two projections the expert's slots found
+(eq, nonzero), its weight dequantized, the input gradient's matmul and its index_add."""
 OPS_EXPERT = 0
 """One hit expert besides its three linears and its activation: nothing (its rows are a view of the split)."""
 OPS_CPU_ROWS = 2
@@ -69,17 +76,38 @@ class OpCounts:
     """Ops one hit routed expert of one MoE layer adds (its three projections and the loop's bookkeeping)."""
     trainable_tensors: int
     """Trainable tensors the optimizer steps (LoRA: A and B of each adapted module, bottleneck: four per layer)."""
+    backward_per_expert: float = 0.0
+    """Ops one hit routed expert adds to the backward beyond BACKWARD_OPS x its forward ops: the grouped layers'
+    dequantizing backward (their forward has no per-expert ops)."""
 
     def forward(self, experts_hit: float) -> float:
         """Ops of one forward in which ``experts_hit`` routed experts run, summed over the MoE layers."""
         return self.dense + self.per_expert * experts_hit
 
+    def backward_extra(self, experts_hit: float) -> float:
+        """Ops the backward of such a forward issues besides BACKWARD_OPS x its forward ops."""
+        return self.backward_per_expert * experts_hit
+
 
 def fused_int4(quant, gpu: str) -> bool:
-    """Whether the INT4 layers run the fused kernel: quant.kernel auto or fused on the CPU (orbitctl.model.int4_kernel)."""
+    """Whether the INT4 layers run the fused kernel: quant.kernel auto or fused on the CPU or an NVIDIA GPU
+    (orbitctl.model.int4_kernel; auto where its rows probe independent, as they do on the kernels measured)."""
     from orbitctl.profile.gpus import resolve_gpu
 
-    return quant.format == "int4" and quant.kernel != "dequantize" and resolve_gpu(gpu).vendor == "cpu"
+    return quant.format == "int4" and quant.kernel != "dequantize" and resolve_gpu(gpu).vendor in ("cpu", "nvidia")
+
+
+def grouped_experts(profile, adapters=None) -> bool:
+    """Whether the routed experts run as grouped INT4 kernels (orbitctl.model.grouped_int4): the fused kernel on an
+    NVIDIA GPU, INT4 experts, no per-expert adapter factors, and experts ZeRO-3 does not partition (expert parallelism,
+    or a lower ZeRO stage)."""
+    from orbitctl.profile.gpus import resolve_gpu
+
+    if not fused_int4(profile.quant, profile.hardware.gpu) or resolve_gpu(profile.hardware.gpu).vendor != "nvidia":
+        return False
+    if getattr(adapters, "expert_layout", "none") not in ("none", "shared"):
+        return False
+    return profile.memory.zero_stage != 3 or profile.memory.expert_parallel > 1
 
 
 def _linear_ops(weight, quant, adapted: bool, fused: bool = False) -> float:
@@ -94,21 +122,22 @@ def op_counts(profile, arch: ArchSpec, adapters=None) -> OpCounts:
 
     Counted once per architecture, adapter plan, quant section and GPU: a plan evaluates the same ones many
     times (the micro-batch search, the re-plans of the advice and layouts), and the count visits every weight."""
-    return _op_counts(Same(arch), Same(adapters), Values(profile.quant), profile.hardware.gpu)
+    grouped = arch.is_moe and grouped_experts(profile, adapters)
+    return _op_counts(Same(arch), Same(adapters), Values(profile.quant), profile.hardware.gpu, grouped)
 
 
 @lru_cache(maxsize=64)
-def _op_counts(arch_key: Same, adapters_key: Same, quant_key: Values, gpu: str) -> OpCounts:
+def _op_counts(arch_key: Same, adapters_key: Same, quant_key: Values, gpu: str, grouped: bool = False) -> OpCounts:
     arch, adapters, quant = arch_key.obj, adapters_key.obj, quant_key.section
     adapted = adapters.adapted if adapters is not None else frozenset()
     dense = float(OPS_MODEL + OPS_NORM)  # + the final norm
     per_expert = 0.0
     mla = arch.attention == "mla"
     fused = fused_int4(quant, gpu)
+    dispatch = OPS_GROUPED_EXPERTS if grouped else OPS_EXPERT_DISPATCH
     for layer in arch.layers:
         dense += OPS_NORM * (2 + (2 if mla else 0)) + OPS_ATTENTION["mla" if mla else "gqa"] + OPS_RESIDUAL
-        dense += OPS_MLP if not layer.moe else (OPS_ROUTER + OPS_EXPERT_DISPATCH
-                                                + (OPS_MLP if arch.shared_intermediate_size else 0))
+        dense += OPS_MLP if not layer.moe else (OPS_ROUTER + dispatch + (OPS_MLP if arch.shared_intermediate_size else 0))
         for w in layer.weights:
             if not w.linear:
                 continue
@@ -125,6 +154,10 @@ def _op_counts(arch_key: Same, adapters_key: Same, quant_key: Values, gpu: str) 
             per_expert += OPS_CPU_ROWS
         if getattr(adapters, "expert_layout", "none") != "none":
             per_expert += 3 * OPS_LORA
+    backward_per_expert = 0.0
+    if grouped:  # one launch per projection whatever the experts hit (a shared expert adapter: 3 LoRAs per layer)
+        dense += arch.moe_layers * (3 * OPS_LORA if getattr(adapters, "expert_layout", "none") == "shared" else 0)
+        per_expert, backward_per_expert = 0.0, OPS_GROUPED_BACKWARD
     if arch.lm_head is not None:
         dense += OPS_LINEAR
     if adapters is not None and adapters.kind == "bottleneck":
@@ -135,7 +168,7 @@ def _op_counts(arch_key: Same, adapters_key: Same, quant_key: Values, gpu: str) 
         tensors = 4 * arch.num_layers
     else:
         tensors = 2 * len(adapted)
-    return OpCounts(dense=dense, per_expert=per_expert, trainable_tensors=tensors)
+    return OpCounts(dense=dense, per_expert=per_expert, trainable_tensors=tensors, backward_per_expert=backward_per_expert)
 
 
 def attention_blocks(arch: ArchSpec, sequences: float) -> float:

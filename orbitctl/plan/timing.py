@@ -307,12 +307,15 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
     # on a GPU (docs/plan.md: decode's activations are batch x hidden, small against the weights, and L2-resident)
     act = activation_bytes_per_token(profile, arch, adapters) if peaks.synchronous else 0.0
 
-    def ops(tokens: float) -> float:
-        """Ops of one forward of ``tokens`` tokens: the dense part and the experts they hit (of the E/P held under
-        expert parallelism, whose tokens come from all P ranks)."""
-        hit = reads.experts_held * touched_experts(arch.num_experts, arch.experts_per_token, tokens * reads.group) \
+    def hit(tokens: float) -> float:
+        """Experts a forward of ``tokens`` tokens hits, summed over the MoE layers (of the E/P held under expert
+        parallelism, whose tokens come from all P ranks)."""
+        return reads.experts_held * touched_experts(arch.num_experts, arch.experts_per_token, tokens * reads.group) \
             / max(arch.num_experts, 1) * arch.moe_layers
-        return counts.forward(hit)
+
+    def ops(tokens: float) -> float:
+        """Ops of one forward of ``tokens`` tokens: the dense part and the experts they hit."""
+        return counts.forward(hit(tokens))
 
     # ---- rollout: per round one prefill of the prompts, then max_new_tokens x max_turns sampling steps, each but a
     # turn's last feeding its token back through the model (a decode forward)
@@ -369,7 +372,8 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
         hbm_bytes=forward_passes * forward_reads.bytes(t) + shape.micro_batches * reach * reads.bytes(t)
         + passes * t * act, intra_bytes=intra, inter_bytes=inter,
         tokens=shape.micro_batches * t * world,
-        ops=shape.micro_batches * (fwd_ops * (1 + reach * (shape.recompute + BACKWARD_OPS)) + OPS_LOSS)
+        ops=shape.micro_batches * (fwd_ops * (1 + reach * (shape.recompute + BACKWARD_OPS))
+                                   + reach * counts.backward_extra(hit(t)) + OPS_LOSS)
         + shape.no_grad_passes * fwd_ops + shape.optimizer_steps * OPS_OPTIMIZER * counts.trainable_tensors,
         # the attention backward loops over the same items twice (dq, then dk and dv)
         items=(shape.micro_batches * (1 + reach_layers * (shape.recompute + 2)) + shape.no_grad_passes) * fwd_items,

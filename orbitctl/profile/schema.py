@@ -141,7 +141,7 @@ class QuantSection(Section):
     skip: list[str] = Field(default_factory=lambda: ["lm_head"])
     """Module-name substrings kept in bf16 in addition to embeddings, norms and router gates."""
     kernel: Literal["auto", "fused", "dequantize"] = "auto"
-    """INT4 matmuls: fused runs PyTorch's weight-only INT4 kernel on the packed codes (bf16 activations, no dense weight written; the CPU), dequantize writes each weight as a dense matrix first; auto = fused on the CPU, dequantize on a GPU. Every path (rollout, train, reference) computes with the same kernel; the backward always dequantizes."""
+    """INT4 matmuls: fused runs PyTorch's weight-only INT4 kernel on the packed codes (bf16 activations, no dense weight written; the CPU's, or CUDA's tinygemm), and on an NVIDIA GPU with Triton the routed experts of a MoE layer as one grouped INT4 kernel per projection; dequantize writes each weight as a dense matrix first; auto = fused where a once-per-process probe finds the kernel's rows independent of the rows beside them. Every path (rollout, train, reference) computes with the same kernel; the backward always dequantizes."""
 
     @model_validator(mode="after")
     def _group(self) -> "QuantSection":

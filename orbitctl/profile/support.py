@@ -107,9 +107,10 @@ _RULES: tuple[_Rule, ...] = (
     _Rule("memory.prefetch_layers", (TRAIN,), lambda v, p: v != 1 and p.memory.zero_stage != 3,
           "sets how many layers ZeRO-3 gathers ahead, and with memory.zero_stage below 3 no parameter is gathered",
           "set memory.zero_stage: 3, or memory.prefetch_layers: 1 (the default)"),
-    _Rule("quant.kernel", _MODEL_RUNNING, lambda v, p: v == "fused" and p.hardware.gpu != "cpu",
-          "is the CPU's weight-only INT4 kernel, and this profile runs on a GPU, where the INT4 layers dequantize",
-          "set quant.kernel: auto (fused on the CPU, dequantize on a GPU) or dequantize"),
+    _Rule("quant.kernel", _MODEL_RUNNING, lambda v, p: v == "fused" and _vendor(p) not in ("cpu", "nvidia"),
+          "runs PyTorch's weight-only INT4 kernels, which exist for the CPU and NVIDIA GPUs, and this profile runs on "
+          "another GPU, where the INT4 layers dequantize",
+          "set quant.kernel: auto or dequantize"),
     _Rule("rl.router_replay", (TRAIN, VERIFY_INTERNAL), lambda v, p: v is True and not _is_moe(p),
           "replays the experts a mixture-of-experts model routed each token to, and this model has no routed experts",
           "set rl.router_replay: false"),
@@ -231,6 +232,12 @@ def refuse_unsupported(profile, command: str, given: Iterable[str] = ()) -> None
         only = found[0]
         raise UserError(f"{only.key}: {show_value(only.value)} {only.why}", fix=only.fix[:1].upper() + only.fix[1:])
     raise UserError("\n".join(item.render() for item in found))
+
+
+def _vendor(p) -> str:
+    from orbitctl.profile.gpus import resolve_gpu
+
+    return resolve_gpu(p.hardware.gpu).vendor
 
 
 def _is_moe(profile) -> bool:

@@ -130,10 +130,15 @@ def test_kernel_fused_with_a_format_it_does_not_run_exits_2(tmp_path, one_error_
     one_error_line(done.stderr, "quant.kernel", "nf4")
 
 
-def test_kernel_fused_on_a_gpu_profile_is_refused_by_train(tmp_path, one_error_line):
-    done = subprocess.run([sys.executable, "-m", "orbitctl.cli.app", "train",
-                           str(ROOT / "profiles" / "kimi-k2_grpo_int4_8xh200.yaml"), "--set", "quant.kernel=fused",
-                           "--dry-run"], capture_output=True, text=True, cwd=tmp_path)
+def test_kernel_fused_runs_on_an_nvidia_profile_and_is_refused_on_another_gpu(tmp_path, one_error_line):
+    """CUDA's tinygemm and the grouped expert kernel make fused an NVIDIA kernel too; an AMD GPU has neither."""
+    kimi = str(ROOT / "profiles" / "kimi-k2_grpo_int4_8xh200.yaml")
+    done = subprocess.run([sys.executable, "-m", "orbitctl.cli.app", "train", kimi, "--set", "quant.kernel=fused",
+                           "--dry-run", "--json"], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert '"int4_kernel": "fused"' in done.stdout
+    done = subprocess.run([sys.executable, "-m", "orbitctl.cli.app", "train", kimi, "--set", "quant.kernel=fused",
+                           "--set", "hardware.gpu=mi300x", "--dry-run"], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 2
     one_error_line(done.stderr, "quant.kernel", "fused")
 

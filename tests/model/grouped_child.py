@@ -1,0 +1,103 @@
+"""The grouped INT4 expert kernel's checks, run in a child process under Triton's CPU interpreter.
+
+    TRITON_INTERPRET=1 python tests/model/grouped_child.py CHECK [MODEL_DIR]
+
+prints one JSON line of measured figures; tests/model/test_grouped_int4.py asserts on them. The
+interpreter must be on before Triton is first imported, so the checks cannot run in pytest's process.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+
+def kernel() -> dict:
+    """grouped_int4_mm against grouped_reference on uneven routings (an expert with no slot, one with 17, shapes off
+    the block sizes): the largest difference and the reference's scale."""
+    from orbitctl.model.grouped_int4 import align_blocks, grouped_int4_mm, grouped_reference
+
+    g = torch.Generator().manual_seed(0)
+    result = {}
+    for name, (experts, n, k, group, tokens, top_k) in {
+            "decode": (6, 48, 128, 32, 5, 2), "skewed": (4, 40, 96, 32, 17, 1), "group64": (3, 64, 128, 64, 8, 3)}.items():
+        words = torch.randint(-2**31, 2**31 - 1, (experts, n, k // 8), generator=g, dtype=torch.int32)
+        scales = (torch.rand(experts, n, k // group, generator=g) * 0.02 + 0.001).to(torch.float16)
+        a = torch.randn(tokens, k, generator=g).to(torch.float16)
+        routed = torch.randint(1, experts, (tokens * top_k,), generator=g)  # expert 0 gets nothing
+        if name == "skewed":
+            routed[:] = 2
+        rows, block_expert = align_blocks(routed, experts)
+        out = grouped_int4_mm(a, words, scales, rows, block_expert, routed.shape[0], top_k)
+        ref = grouped_reference(a, words, scales, routed, top_k)
+        result[name] = {"max_diff": float((out.float() - ref.float()).abs().max()),
+                        "ref_max": float(ref.float().abs().max()), "shape": list(out.shape)}
+    return result
+
+
+def layer(model_dir: str) -> dict:
+    """A tiny INT4 MoE's QuantExperts with its experts stacked against the same layer's per-expert loop, both on fp16
+    activations: forward and input gradient, the ops each issues for two routings, and the parameters as views."""
+    from orbitctl.model.frozen_base import load_frozen_base, use_grouped_experts
+    from orbitctl.model.grouped_int4 import ExpertStack
+    from orbitctl.model.quant_linear import QuantExperts
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = load_frozen_base(model_dir, compute_dtype=torch.float32)
+    moe = next(m for m in model.modules() if isinstance(m, QuantExperts))
+    first_weight = moe.expert(0).gate_proj.weight_packed.clone()
+    hidden = moe.expert(0).gate_proj.in_features
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(12, hidden, generator=g).to(torch.float16)
+    index = torch.randint(0, moe.num_experts, (12, 2), generator=g)
+    weights = torch.rand(12, 2, generator=g).to(torch.float16)
+
+    def run(x_in):
+        x_in = x_in.detach().requires_grad_(True)
+        out = moe(x_in, index, weights)
+        out.float().square().sum().backward()
+        return out.detach().float(), x_in.grad.float()
+
+    # the loop's reference: each expert dequantized in fp16, fp32 accumulation as the kernel's
+    loop_out, loop_grad = run(x)
+    count = use_grouped_experts(model)
+    stacked = moe.stack is not None
+    moe.stack = ExpertStack.of(moe, torch.float16) if stacked else None
+    grouped_out, grouped_grad = run(x)
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    from orbitctl.model.grouped_int4 import align_blocks, grouped_int4_mm
+
+    with torch.no_grad():  # the ops one launch issues here: its output's allocation, and the interpreter's copies
+        rows, blocks = align_blocks(index.reshape(-1), moe.num_experts)
+        Count.ops = 0
+        with Count():
+            grouped_int4_mm(x, *moe.stack.gate_up, rows, blocks, index.numel(), 2)
+        launch = Count.ops
+    ops = {}
+    with torch.no_grad():
+        for name, routing in {"two experts": torch.zeros_like(index) + torch.tensor([0, 1]),
+                              "every expert": index}.items():
+            Count.ops = 0
+            with Count():
+                moe(x, routing, weights)
+            ops[name] = Count.ops - 2 * (launch - 2)  # each launch as one op and its output's, as on a GPU
+    return {"stacked": stacked, "linears_stacked": len(count),
+            "forward_diff": float((grouped_out - loop_out).abs().max()), "forward_max": float(loop_out.abs().max()),
+            "grad_diff": float((grouped_grad - loop_grad).abs().max()), "grad_max": float(loop_grad.abs().max()),
+            "ops": ops, "weights_are_views": bool(moe.expert(0).gate_proj.weight_packed.data_ptr()
+                                                   == moe.stack.gate_up[0].data_ptr()),
+            "weights_kept": bool(torch.equal(moe.expert(0).gate_proj.weight_packed, first_weight))}
+
+
+if __name__ == "__main__":
+    check = sys.argv[1]
+    print(json.dumps(kernel() if check == "kernel" else layer(sys.argv[2])))

@@ -1,0 +1,86 @@
+"""The grouped INT4 expert kernel (orbitctl.model.grouped_int4): its block alignment, its numerics and its layer,
+the kernel run by Triton's CPU interpreter in a child process (tests/model/grouped_child.py); what the plan counts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from orbitctl.model.grouped_int4 import align_blocks, triton_present
+
+ROOT = Path(__file__).resolve().parents[2]
+FP16_ULP = 2.0 ** -10
+"""fp16 keeps 11 significant bits: one ulp is 2^-10 of the binade's base."""
+needs_triton = pytest.mark.skipif(not triton_present(), reason="Triton is not installed (pip install -e '.[test]')")
+
+
+def _child(*args: str) -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "model" / "grouped_child.py"), *args],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("slots, experts", [(10, 6), (17, 4), (0, 3), (64, 32)])
+def test_blocks_hold_each_slot_once_with_one_expert_per_block(slots, experts):
+    routed = torch.randint(0, experts, (slots,), generator=torch.Generator().manual_seed(slots))
+    rows, block_expert = align_blocks(routed, experts, block_m=4)
+    assert rows.shape[0] == -(-(slots + experts * 3) // 4) * 4  # the static size, whatever the routing
+    real = rows[rows < slots]
+    assert sorted(real.tolist()) == list(range(slots))
+    for b, e in enumerate(block_expert.tolist()):
+        block = rows[4 * b: 4 * b + 4]
+        block = block[block < slots]
+        if e < 0:
+            assert block.numel() == 0
+        else:
+            assert (routed[block] == e).all()
+    # each expert's slots in one run of blocks, in the slots' order (stable)
+    for e in range(experts):
+        mine = [int(r) for b, x in enumerate(block_expert.tolist()) if x == e for r in rows[4 * b: 4 * b + 4] if r < slots]
+        assert mine == torch.nonzero(routed == e).squeeze(-1).tolist()
+
+
+@needs_triton
+def test_the_kernel_is_the_dequantized_product_accumulated_in_float32():
+    """Against grouped_reference (each slot's row times its expert's weight dequantized in fp16, float32 sums): the
+    kernel's float32 accumulation in another order, then the fp16 rounding of the result, bound the difference."""
+    for name, figures in _child("kernel").items():
+        assert figures["max_diff"] <= 2 * FP16_ULP * figures["ref_max"], (name, figures)
+    assert _child("kernel")["skewed"]["shape"] == [17, 40]
+
+
+@needs_triton
+def test_a_stacked_moe_layer_computes_the_loop_with_ops_that_do_not_grow_with_the_experts_hit(int4_moe):
+    """The tiny INT4 MoE's layer with its experts stacked (views of one tensor each, the weights unchanged) against
+    its per-expert loop on the same fp16 activations; the ops of a forward that hits two experts and of one that
+    hits all eight are the same number, which the plan counts."""
+    from orbitctl.arch.parse import arch_from_config
+    from orbitctl.plan.ops import OPS_GROUPED_EXPERTS, op_counts
+    from orbitctl.profile import load_profile
+
+    got = _child("layer", str(int4_moe))
+    assert got["stacked"] and got["weights_are_views"] and got["weights_kept"]
+    assert got["linears_stacked"] == 3 * 8 * 2  # 3 projections x 8 experts x 2 MoE layers
+    assert got["forward_diff"] <= 2 * FP16_ULP * got["forward_max"], got
+    assert got["grad_diff"] <= 4 * FP16_ULP * got["grad_max"], got
+    assert got["ops"]["two experts"] == got["ops"]["every expert"], got
+    arch = arch_from_config(json.loads((int4_moe / "config.json").read_text()))
+    gpu = load_profile(ROOT / "profiles" / "tiny-moe-cpu.yaml", ["model.arch=null", f"model.config={int4_moe / 'config.json'}",
+                                                                   "hardware.gpu=h100", "quant.kernel=fused"])
+    cpu = load_profile(ROOT / "profiles" / "tiny-moe-cpu.yaml", ["model.arch=null", f"model.config={int4_moe / 'config.json'}",
+                                                                   "quant.kernel=fused"])
+    counted = got["ops"]["every expert"]
+    # the layer's ops beyond the router: the plan's grouped term replaces the loop's dispatch and its experts
+    assert abs(OPS_GROUPED_EXPERTS - counted) <= 0.15 * counted, (OPS_GROUPED_EXPERTS, counted)
+    per_layer = (op_counts(gpu, arch).forward(8) - op_counts(gpu, arch).dense) / arch.moe_layers
+    assert per_layer == 0  # on the GPU no op grows with the experts hit
+    grown = op_counts(cpu, arch).forward(8) - op_counts(cpu, arch).forward(2)
+    assert grown > 0  # the CPU keeps its loop: each hit expert adds its ops
