@@ -112,16 +112,20 @@ def use_fused_int4(model: nn.Module, *, buffers_only: bool = False) -> int:
     the bytes the packs hold. ``buffers_only``: only the layers held as buffers (an expert-parallel rank's
     experts), under ZeRO-3, which partitions the parameters after loading: a pack built from a whole
     parameter would keep on every rank what ZeRO-3 shards. A layer of a shape the kernel does not take
-    keeps dequantizing. On a GPU with Triton, the routed experts of a MoE layer are stacked for the grouped
-    kernel instead (:func:`use_grouped_experts`), which holds no second copy."""
+    keeps dequantizing. On a GPU the routed experts of a MoE layer are stacked for the grouped kernel instead
+    (:func:`use_grouped_experts`, which holds no second copy) where Triton is present, else they dequantize."""
     from orbitctl.model.int4_kernel import unsupported_shape
     from orbitctl.model.quant_linear import QuantLinear
 
     grouped = use_grouped_experts(model, buffers_only=buffers_only)
+    experts = {id(m) for layer in model.modules() if hasattr(layer, "held") and hasattr(layer, "expert")
+               for e in layer.held for m in layer.expert(e).children()}
     total = 0
     for module in model.modules():
         if not isinstance(module, QuantLinear) or module.fmt != "int4" or id(module) in grouped:
             continue
+        if id(module) in experts and module.weight_packed.device.type != "cpu":
+            continue  # a GPU's routed experts run grouped or dequantize: a pack each would hold them twice
         if buffers_only and "weight_packed" not in module._buffers:
             continue
         device = module.weight_packed.device.type

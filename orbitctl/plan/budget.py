@@ -20,6 +20,7 @@ from orbitctl.plan.comm import (all_to_all_buffers, bytes_text, communication, c
                                 compute_dtype_bytes, decoded_tokens, prompt_tokens, rollout_batch)
 from orbitctl.plan.layout import Layout, gather_units, gather_window, host_base, layout_of, resident_base
 from orbitctl.plan.memo import Same, Values
+from orbitctl.plan.ops import fused_int4
 from orbitctl.plan.result import MemoryPlan
 from orbitctl.plan.states import model_states
 from orbitctl.plan.timing import step_time
@@ -52,17 +53,18 @@ INT4_KERNEL_PACK_BITS = 4
 pair per group."""
 
 
-def kernel_pack_bytes(storage: BaseStorage, layout: Layout, group_size: int) -> float:
-    """Bytes per rank of the fused INT4 kernel's copies (``quant.kernel``: a CPU rank repacks every INT4 weight it
+def kernel_pack_bytes(storage: BaseStorage, layout: Layout, group_size: int, experts_packed: bool = True) -> float:
+    """Bytes per rank of the fused INT4 kernel's copies (``quant.kernel``: a rank repacks every INT4 weight it
     holds whole, next to the checkpoint's form the backward dequantizes): all of them, or under ZeRO-3, which
-    partitions the parameters, only the expert-parallel experts (buffers outside ZeRO)."""
+    partitions the parameters, only the expert-parallel experts (buffers outside ZeRO). ``experts_packed`` False:
+    a GPU, whose routed experts run grouped from their own storage (or dequantize) and are never repacked."""
     stored_per_weight = (4 + 16 / group_size) / 8  # the checkpoint's int32 words and bf16 scales
     experts = storage.expert_sharded_bytes / stored_per_weight
     dense = storage.quantized_params - experts
     held = 0.0 if layout.sharded else dense
-    if layout.expert_parallel_on:
+    if experts_packed and layout.expert_parallel_on:
         held += experts * layout.expert_share
-    elif not layout.sharded:
+    elif experts_packed and not layout.sharded:
         held += experts
     return held * (INT4_KERNEL_PACK_BITS / 8 + 4 / group_size)
 
@@ -251,8 +253,9 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
         # orbitctl.codec.formats.dequantize_fp8_blocks: the codes as fp32, the block scales spread to every element
         # and their product (the result itself when the compute dtype is fp32), not only the result
         dequant = largest * (FP8_DEQUANT_FP32_BYTES + (cdt if cdt != 4 else 0))
-    fused = workspace and profile.quant.kernel != "dequantize"
-    fixed["int4_kernel_pack"] = int(kernel_pack_bytes(storage, layout, profile.quant.group_size)) if fused else 0
+    fused = fmt.name == "int4" and fused_int4(profile.quant, profile.hardware.gpu)
+    fixed["int4_kernel_pack"] = int(kernel_pack_bytes(storage, layout, profile.quant.group_size,
+                                                      experts_packed=not on_gpu)) if fused else 0
     if ad.targets_routed_experts:
         notes.append("adapters on routed experts: PEFT builds every expert's bf16 weight per MoE layer "
                      f"({storage.layer_expert_bf16_bytes / GiB:.1f} GiB); prefer adapter.targets: attention+shared")

@@ -128,6 +128,8 @@ def op_counts(profile, arch: ArchSpec, adapters=None) -> OpCounts:
 
 @lru_cache(maxsize=64)
 def _op_counts(arch_key: Same, adapters_key: Same, quant_key: Values, gpu: str, grouped: bool = False) -> OpCounts:
+    from orbitctl.profile.gpus import resolve_gpu
+
     arch, adapters, quant = arch_key.obj, adapters_key.obj, quant_key.section
     adapted = adapters.adapted if adapters is not None else frozenset()
     dense = float(OPS_MODEL + OPS_NORM)  # + the final norm
@@ -141,15 +143,15 @@ def _op_counts(arch_key: Same, adapters_key: Same, quant_key: Values, gpu: str, 
         for w in layer.weights:
             if not w.linear:
                 continue
-            ops = _linear_ops(w, quant, (layer.index, w.name) in adapted, fused)
+            # a GPU's routed experts run grouped or dequantize (orbitctl.model.frozen_base.use_fused_int4)
+            expert_fused = fused and (grouped or resolve_gpu(gpu).vendor == "cpu")
+            ops = _linear_ops(w, quant, (layer.index, w.name) in adapted, expert_fused if w.kind == EXPERT else fused)
             if w.kind == EXPERT:
                 per_expert += ops  # one projection of one expert; summed over the MoE layers
             elif w.kind != ROUTER:
                 dense += ops
     if arch.is_moe:  # per hit expert of one MoE layer (+ adapter.experts' LoRA on its three projections)
         per_expert = per_expert / max(arch.moe_layers, 1) + OPS_EXPERT + OPS_MLP
-        from orbitctl.profile.gpus import resolve_gpu
-
         if resolve_gpu(gpu).vendor == "cpu":
             per_expert += OPS_CPU_ROWS
         if getattr(adapters, "expert_layout", "none") != "none":

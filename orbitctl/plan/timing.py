@@ -33,7 +33,7 @@ from orbitctl.plan.comm import (Communication, decode_forwards, decoded_tokens, 
                                rollout_batch)
 from orbitctl.plan.layout import Layout
 from orbitctl.plan.ops import (BACKWARD_OPS, OPS_LOSS, OPS_OPTIMIZER, OPS_SAMPLE, activation_bytes_per_token,
-                               adapter_active_params, attention_blocks, fused_int4, op_counts)
+                               adapter_active_params, attention_blocks, fused_int4, grouped_experts, op_counts)
 from orbitctl.plan.storage import BaseStorage
 
 COMPUTE_EFFICIENCY = 0.5
@@ -254,9 +254,11 @@ class WeightReads:
         return self.dense + self.moe_layers * self.experts_held * hit * self.per_expert
 
 
-def weight_reads(arch: ArchSpec, storage: BaseStorage, layout: Layout, fused: bool = False) -> WeightReads:
+def weight_reads(arch: ArchSpec, storage: BaseStorage, layout: Layout, fused: bool = False,
+                 experts_fused: bool | None = None) -> WeightReads:
     """The weights a forward reads: the embedding is a lookup (unless tied to the head), dequantized weights twice more
-    (``fused``: the INT4 kernel reads the 4-bit codes once and writes no copy, :mod:`orbitctl.model.int4_kernel`)."""
+    (``fused``: the INT4 kernel reads the 4-bit codes once and writes no copy, :mod:`orbitctl.model.int4_kernel`;
+    ``experts_fused``: the same for the routed experts, when it differs: a GPU's ungrouped experts dequantize)."""
     dense_stored = storage.total_bytes - storage.expert_bytes - (storage.embedding_bytes if arch.lm_head else 0)
     dense_params = arch.params_total - arch.params_by_kind[EXPERT] - (arch.embedding.numel if arch.lm_head else 0)
     expert_params = arch.params_by_kind[EXPERT]
@@ -265,8 +267,9 @@ def weight_reads(arch: ArchSpec, storage: BaseStorage, layout: Layout, fused: bo
     per_expert_bf16 = 2.0 * expert_params / (moe * arch.num_experts) if moe else 0.0
     # a weight stored well under bf16 is quantized: dequantized into a bf16 copy on every use
     copies = 0 if fused else DEQUANT_PASSES
+    expert_copies = copies if experts_fused is None else (0 if experts_fused else DEQUANT_PASSES)
     quantized_experts = per_expert_stored < 0.75 * per_expert_bf16
-    expert_deq = copies * per_expert_bf16 if quantized_experts else 0.0
+    expert_deq = expert_copies * per_expert_bf16 if quantized_experts else 0.0
     dense_quantized = storage.quantized_params - (expert_params if quantized_experts else 0)
     dense_deq = copies * 2.0 * max(0, min(dense_quantized, dense_params))
     return WeightReads(dense=max(dense_stored, 0.0) + dense_deq, per_expert=per_expert_stored + expert_deq,
@@ -298,7 +301,9 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
     peaks = peaks or peaks_of(profile, eff)
     shape, world, ro = comm.shape, profile.world_size, profile.rollout
     reads = weight_reads(arch, storage, layout)  # the backward dequantizes, whatever the forward's kernel
-    forward_reads = weight_reads(arch, storage, layout, fused=fused_int4(profile.quant, profile.hardware.gpu))
+    fused = fused_int4(profile.quant, profile.hardware.gpu)
+    forward_reads = weight_reads(arch, storage, layout, fused=fused, experts_fused=fused and (
+        peaks.synchronous or grouped_experts(profile, adapters)))
     active = arch.params_active
     terms = comm.terms
     counts = op_counts(profile, arch, adapters)

@@ -46,7 +46,7 @@ def test_the_plan_resolves_auto_and_says_so():
 
 
 def test_the_advice_proposes_auto_with_the_rollout_time_it_saves():
-    profile = load_profile(KIMI)  # 16 sequences at once
+    profile = load_profile(KIMI, ["rollout.batch_size=16"])  # 16 sequences at once (the profile decodes auto)
     plan = plan_profile(profile)
     advice = [a for a in plan.advice if a.change == {"rollout.batch_size": "auto"}]
     assert len(advice) == 1 and advice[0].fits and advice[0].set_values() == ["rollout.batch_size=auto"]
