@@ -13,7 +13,9 @@ random prompt tokens for ``--new`` tokens with transformers' dynamic KV cache (g
 completion is full length), after one warm-up decode in the same process. Reported: completion tokens
 per second, median and range over ``--reps`` rounds, the sides alternating within a round, and whether
 each side's greedy tokens equal the dequantizing side's (the fused kernel rounds activations to bf16,
-so a few tokens may differ on a random model whose logits are nearly tied).
+so a few tokens may differ on a random model whose logits are nearly tied), and for this checkout's sides the
+tokens/s ``orbitctl plan``'s time model predicts for the same sampling (a profile of the model on one CPU rank
+with that kernel; one adapted linear, since the benchmark decodes the bare base).
 """
 
 from __future__ import annotations
@@ -76,6 +78,23 @@ def greedy_decode(model, prompt, new: int):
     return time.perf_counter() - start, torch.cat(tokens, 1).tolist()
 
 
+def predicted_decode(profile_path: Path, *, batch: int, prompt: int, new: int, kernel: str,
+                     overrides: tuple[str, ...] = ()) -> tuple[float, str]:
+    """The completion tokens/s (per GPU or CPU rank) and the decode's bound that the time model predicts for
+    ``profile_path`` sampling ``batch`` sequences of ``prompt`` + ``new`` tokens in one round with ``quant.kernel:
+    kernel``: the rollout's prefill and decode, as the benchmark times them."""
+    from orbitctl.plan import plan_profile
+    from orbitctl.profile import load_profile
+
+    profile = load_profile(str(profile_path), [f"rollout.batch_size={batch}", f"rollout.max_new_tokens={new}",
+                                               f"memory.seq_len={prompt + new}", f"rl.prompts_per_step={batch // 2}",
+                                               "rl.group_size=2", f"quant.kernel={kernel}", *overrides])
+    rollout = plan_profile(profile, with_advice=False).timing.phases["rollout"]
+    if not rollout.seconds:
+        return 0.0, "-"
+    return rollout.tokens / rollout.seconds / profile.world_size, rollout.parts["decode"].bound
+
+
 def decode_rows(model_dir: Path, profile_path: Path, device: str, *, batch: int, new: int,
                 prompt_len: int = 16) -> list[tuple[str, str, str]]:
     """benchmarks/device_check.py's decode step: ``model_dir`` (an INT4 MoE) on ``device`` decoded greedy with its
@@ -85,9 +104,6 @@ def decode_rows(model_dir: Path, profile_path: Path, device: str, *, batch: int,
 
     from orbitctl.model.cpu_dtype import torch_dtype
     from orbitctl.model.frozen_base import load_frozen_base, use_fused_int4
-    from orbitctl.plan import plan_profile
-    from orbitctl.profile import load_profile
-
     dtype = torch.bfloat16 if device == "cuda" else torch_dtype("auto", "cpu")
     model = load_frozen_base(model_dir, device=device, compute_dtype=dtype)
     packs = use_fused_int4(model)
@@ -121,15 +137,11 @@ def decode_rows(model_dir: Path, profile_path: Path, device: str, *, batch: int,
         greedy_decode(model, prompt, 2)  # warm-up: kernels compiled, the allocator
         seconds, _ = greedy_decode(model, prompt, new)
         measured[label] = batch * new / seconds
-    profile = load_profile(str(profile_path), [f"rollout.batch_size={batch}", f"rollout.max_new_tokens={new}",
-                                               f"rl.prompts_per_step={batch // 2}", "rl.group_size=2",
-                                               "quant.kernel=fused"])
-    decode = plan_profile(profile, with_advice=False).timing.phases["rollout"].parts["decode"]
-    predicted = decode.tokens / decode.seconds / profile.world_size if decode.seconds else 0.0
+    predicted, bound = predicted_decode(profile_path, batch=batch, prompt=prompt_len, new=new, kernel="fused")
     fast = "grouped" if layers else "fused"
     rows.append(("decode tokens/s", f"{fast} {measured[fast]:.0f}, dequantize {measured['dequantize']:.0f} "
                                     f"({measured[fast] / measured['dequantize']:.2f}x); the plan predicts {predicted:.0f} "
-                                    f"({decode.bound}-bound)",
+                                    f"({bound}-bound)",
                  f"measured/predicted {measured[fast] / predicted:.2f}" if predicted else "no prediction"))
     return rows
 
@@ -168,6 +180,7 @@ def main() -> None:
         return decode(args)
 
     sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(HERE))
     from orbitctl.model.synthetic import write_int4_moe
 
     name = f"moe-e{args.experts}-k{args.top_k}-h{args.hidden}-w{args.expert_width}-l{args.moe_layers}"
@@ -193,8 +206,15 @@ def main() -> None:
                      "max": max(rates), "greedy_tokens_equal": f"{same}/{sum(len(r) for r in reference)}",
                      "dtype": runs[label][0]["dtype"], "pack_bytes": runs[label][0]["pack_bytes"]})
     base = rows[0]["median_tokens_per_s"]
-    for row in rows:
+    from phase_memory import profile_file, slice_sets
+
+    sets = slice_sets(model, args.work / "run", "cpu", 1, args.prompt + args.new, args.new)
+    path = profile_file(args.work, {**sets, "name": "moe-decode", "adapter.targets": ["o_proj"],
+                                    "adapter.last_layers": 1})  # one adapted linear: the benchmark decodes the base
+    for row, (_, tree, kernel) in zip(rows, sides):
         row["speedup"] = row["median_tokens_per_s"] / base
+        row["predicted_tokens_per_s"], row["bound"] = predicted_decode(
+            path, batch=args.batch, prompt=args.prompt, new=args.new, kernel=kernel) if tree == ROOT else (None, "")
     setting = {"experts": args.experts, "top_k": args.top_k, "hidden": args.hidden, "expert_width": args.expert_width,
                "moe_layers": args.moe_layers, "batch": args.batch, "prompt": args.prompt, "new": args.new,
                "reps": args.reps, "threads": args.threads}
@@ -202,10 +222,11 @@ def main() -> None:
         print(json.dumps({"setting": setting, "rows": rows}, indent=1))
         return
     print(f"INT4 MoE decode: {setting}")
-    print(f"{'side':<48} {'tokens/s median (range)':>26} {'x':>6} {'greedy = dequantize':>20}")
+    print(f"{'side':<48} {'tokens/s median (range)':>26} {'x':>6} {'greedy = dequantize':>20} {'plan predicts':>22}")
     for row in rows:
         spread = f"{row['median_tokens_per_s']:.1f} ({row['min']:.1f}-{row['max']:.1f})"
-        print(f"{row['side']:<48} {spread:>26} {row['speedup']:>6.2f} {row['greedy_tokens_equal']:>20}")
+        plan = f"{row['predicted_tokens_per_s']:.1f} ({row['bound']})" if row["predicted_tokens_per_s"] else "-"
+        print(f"{row['side']:<48} {spread:>26} {row['speedup']:>6.2f} {row['greedy_tokens_equal']:>20} {plan:>22}")
 
 
 if __name__ == "__main__":

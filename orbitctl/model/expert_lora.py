@@ -208,11 +208,12 @@ def experts_by_row(module, experts: torch.Tensor, rows_of, lora: BoundExpertLoRA
 
 
 def _expert_rows(expert, act_fn, x: torch.Tensor, lora: BoundExpertLoRA | None, index: int) -> torch.Tensor:
+    gate, up = expert.gate_up(x) if hasattr(expert, "gate_up") else (expert.gate_proj(x), expert.up_proj(x))
     if lora is None:
-        return expert.down_proj(act_fn(expert.gate_proj(x)) * expert.up_proj(x))
+        return expert.down_proj(act_fn(gate) * up)
     xa = x.to(lora.dtype)  # one copy for gate and up (none when the dtypes agree)
-    gate = expert.gate_proj(x) + lora.delta("gate_proj", index, xa).to(x.dtype)
-    up = expert.up_proj(x) + lora.delta("up_proj", index, xa).to(x.dtype)
+    gate = gate + lora.delta("gate_proj", index, xa).to(x.dtype)
+    up = up + lora.delta("up_proj", index, xa).to(x.dtype)
     h = act_fn(gate) * up
     return expert.down_proj(h) + lora.delta("down_proj", index, h.to(lora.dtype)).to(h.dtype)
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from orbitctl.errors import InputFileError, UserError
+from orbitctl.model.mla import use_absorbed_mla
 from orbitctl.rundir import read_json
 
 
@@ -58,6 +59,7 @@ def load_frozen_base(quantized_dir: str | Path, *, device: str | torch.device = 
     ``experts`` (an :class:`~orbitctl.model.expert_parallel.ExpertGroup`) loads only this rank's
     share of every MoE layer's routed experts, reading only their tensors (int4 and fp8 checkpoints).
     ``attention`` is the attention kernel (:func:`attention_kernel`), the same on the infer and train paths.
+    MLA attention layers decode on their cached latent (:func:`~orbitctl.model.mla.use_absorbed_mla`).
     """
     from transformers import AutoModelForCausalLM
 
@@ -84,6 +86,7 @@ def load_frozen_base(quantized_dir: str | Path, *, device: str | torch.device = 
             module.support_avx512bf16_for_cpu = False
             # dequantize to the dtype asked for, not the one config.json was written with
             module.compute_dtype, module.compute_type_is_set = compute_dtype, True
+    use_absorbed_mla(model)  # MLA decodes on its cached latent (orbitctl.model.mla); other attention is unchanged
     model.eval()
     return model
 
@@ -114,24 +117,39 @@ def use_fused_int4(model: nn.Module, *, buffers_only: bool = False) -> int:
     parameter would keep on every rank what ZeRO-3 shards. A layer of a shape the kernel does not take
     keeps dequantizing. On a GPU the routed experts of a MoE layer are stacked for the grouped kernel instead
     (:func:`use_grouped_experts`, which holds no second copy) where Triton is present, else they dequantize."""
-    from orbitctl.model.int4_kernel import unsupported_shape
-    from orbitctl.model.quant_linear import QuantLinear
+    from orbitctl.model.quant_linear import ExpertMLP
 
     grouped = use_grouped_experts(model, buffers_only=buffers_only)
     experts = {id(m) for layer in model.modules() if hasattr(layer, "held") and hasattr(layer, "expert")
                for e in layer.held for m in layer.expert(e).children()}
-    total = 0
+    total, gate_up = 0, set()
+    for expert in model.modules():  # a CPU expert's gate and up in one pack: one kernel call for both
+        if not isinstance(expert, ExpertMLP) or not _packable(expert.gate_proj, buffers_only) \
+                or not _packable(expert.up_proj, buffers_only) or expert.gate_proj.weight_packed.device.type != "cpu":
+            continue
+        total += expert.use_fused_gate_up()
+        gate_up.update((id(expert.gate_proj), id(expert.up_proj)))
     for module in model.modules():
-        if not isinstance(module, QuantLinear) or module.fmt != "int4" or id(module) in grouped:
+        if id(module) in grouped or id(module) in gate_up or not _packable(module, buffers_only):
             continue
         if id(module) in experts and module.weight_packed.device.type != "cpu":
             continue  # a GPU's routed experts run grouped or dequantize: a pack each would hold them twice
-        if buffers_only and "weight_packed" not in module._buffers:
-            continue
-        device = module.weight_packed.device.type
-        if unsupported_shape(module.out_features, module.in_features, module.group_size, device) is None:
-            total += module.use_fused_kernel()
+        total += module.use_fused_kernel()
     return total
+
+
+def _packable(layer, buffers_only: bool) -> bool:
+    """Whether ``use_fused_int4`` packs this layer: an INT4 ``QuantLinear`` of a shape its device's kernel takes, held
+    as a buffer where ``buffers_only``."""
+    from orbitctl.model.int4_kernel import unsupported_shape
+    from orbitctl.model.quant_linear import QuantLinear
+
+    if not isinstance(layer, QuantLinear) or layer.fmt != "int4":
+        return False
+    if buffers_only and "weight_packed" not in layer._buffers:
+        return False
+    device = layer.weight_packed.device.type
+    return unsupported_shape(layer.out_features, layer.in_features, layer.group_size, device) is None
 
 
 def use_grouped_experts(model: nn.Module, *, buffers_only: bool = False) -> set[int]:

@@ -191,6 +191,45 @@ class ExpertMLP(nn.Module):
     def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module) -> None:
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.gate_up_pack: Int4Pack | None = None
+        """Gate and up in one fused-kernel pack (``quant.kernel: fused`` on the CPU): one kernel call for both, each
+        output column computed as by its own pack (bit for bit), half the calls and casts of an expert's input."""
+
+    def use_fused_gate_up(self) -> int:
+        """Pack the INT4 gate and up projections together for the fused kernel; returns the pack's bytes."""
+        gate, up = self.gate_proj, self.up_proj
+        gate.kernel_pack = up.kernel_pack = None
+        self.gate_up_pack = Int4Pack.of(torch.cat([gate.weight_packed, up.weight_packed]),
+                                        torch.cat([gate.weight_scale, up.weight_scale]))
+        return self.gate_up_pack.nbytes()
+
+    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gate(x), up(x))``: through the shared pack where there is one, else each projection."""
+        if self.gate_up_pack is None or not _kernel_input(x):
+            return self.gate_proj(x), self.up_proj(x)
+        if torch.is_grad_enabled() and x.requires_grad:
+            both = _FusedGateUp.apply(x, self)
+        else:
+            both = self.gate_up_pack.matmul(x)
+        width = self.gate_proj.out_features
+        return both[..., :width], both[..., width:]
+
+
+class _FusedGateUp(torch.autograd.Function):
+    """gate and up through their shared pack; the backward dequantizes each (the reference path), one at a time
+    (they share the dequantization workspace)."""
+
+    @staticmethod
+    def forward(ctx, x, expert):
+        ctx.expert = expert
+        return expert.gate_up_pack.matmul(x)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up = ctx.expert.gate_proj, ctx.expert.up_proj
+        width = gate.out_features
+        grad = grad_out[..., :width] @ gate.matmul_weight(grad_out.dtype)
+        return grad + grad_out[..., width:] @ up.matmul_weight(grad_out.dtype), None
 
 
 class QuantExperts(nn.Module):

@@ -32,6 +32,9 @@ OPS_LORA = 10
 OPS_ATTENTION = {"gqa": 30, "mla": 40}
 """Between the projections: views and transposes, RoPE on q and k, the KV-cache concatenation, repeat_kv, the
 attention kernel, the output reshape (MLA: the latent split, the rope/nope split and concatenation)."""
+OPS_MLA_DECODE = 18
+"""An MLA layer's decode step on the cached latent (orbitctl.model.mla) beyond OPS_ATTENTION["mla"]: the absorbed
+up-projections (two batched matmuls and their views), the split score matmuls and their sum, the mask."""
 OPS_MLP = 2
 """SwiGLU: the activation and the product."""
 OPS_RESIDUAL = 2
@@ -48,6 +51,9 @@ into padded blocks by expert (align_blocks: 24 ops of static shapes), the activa
 OPS_GROUPED_BACKWARD = 40
 """Per hit expert in the backward of a grouped layer: for each of its two projections the expert's slots found
 (eq, nonzero), its weight dequantized, the input gradient's matmul and its index_add."""
+OPS_GATE_UP_SPLIT = 2
+"""On the CPU with the fused kernel, an expert's gate and up run as one kernel call over a shared pack
+(orbitctl.model.quant_linear.ExpertMLP.gate_up): in place of up's own call, the two slices of the result."""
 OPS_EXPERT = 0
 """One hit expert besides its three linears and its activation: nothing (its rows are a view of the split)."""
 OPS_CPU_ROWS = 2
@@ -76,6 +82,8 @@ class OpCounts:
     """Ops one hit routed expert of one MoE layer adds (its three projections and the loop's bookkeeping)."""
     trainable_tensors: int
     """Trainable tensors the optimizer steps (LoRA: A and B of each adapted module, bottleneck: four per layer)."""
+    decode_extra: float = 0.0
+    """Ops a one-token decode forward issues beyond :meth:`forward`'s (MLA attention on the cached latent)."""
     backward_per_expert: float = 0.0
     """Ops one hit routed expert adds to the backward beyond BACKWARD_OPS x its forward ops: the grouped layers'
     dequantizing backward (their forward has no per-expert ops)."""
@@ -146,7 +154,10 @@ def _op_counts(arch_key: Same, adapters_key: Same, quant_key: Values, gpu: str, 
             # a GPU's routed experts run grouped or dequantize (orbitctl.model.frozen_base.use_fused_int4)
             expert_fused = fused and (grouped or resolve_gpu(gpu).vendor == "cpu")
             ops = _linear_ops(w, quant, (layer.index, w.name) in adapted, expert_fused if w.kind == EXPERT else fused)
-            if w.kind == EXPERT:
+            if w.kind == EXPERT and expert_fused and not grouped and w.name.endswith("up_proj") \
+                    and (layer.index, w.name) not in adapted:
+                per_expert += OPS_GATE_UP_SPLIT  # the CPU kernel runs gate and up as one call (ExpertMLP.gate_up)
+            elif w.kind == EXPERT:
                 per_expert += ops  # one projection of one expert; summed over the MoE layers
             elif w.kind != ROUTER:
                 dense += ops
@@ -170,7 +181,8 @@ def _op_counts(arch_key: Same, adapters_key: Same, quant_key: Values, gpu: str, 
         tensors = 4 * arch.num_layers
     else:
         tensors = 2 * len(adapted)
-    return OpCounts(dense=dense, per_expert=per_expert, trainable_tensors=tensors, backward_per_expert=backward_per_expert)
+    return OpCounts(dense=dense, per_expert=per_expert, trainable_tensors=tensors, backward_per_expert=backward_per_expert,
+                    decode_extra=OPS_MLA_DECODE * arch.num_layers if mla else 0.0)
 
 
 def attention_blocks(arch: ArchSpec, sequences: float) -> float:

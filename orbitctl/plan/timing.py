@@ -217,9 +217,12 @@ class StepTime:
                 "efficiency": asdict(self.efficiency), "phases": {k: p.to_dict() for k, p in self.phases.items()}}
 
 
-def attention_flops(arch: ArchSpec, tokens: float, context: float) -> float:
-    """QK^T and AV of ``tokens`` queries over ``context`` keys, every layer: 2 x heads x (d_qk + d_v) x context."""
-    if arch.attention == "mla":
+def attention_flops(arch: ArchSpec, tokens: float, context: float, decode: bool = False) -> float:
+    """QK^T and AV of ``tokens`` queries over ``context`` keys, every layer: 2 x heads x (d_qk + d_v) x context. An
+    MLA decode step attends on the cached latent (orbitctl.model.mla): QK^T over kv_lora + rope, AV over kv_lora."""
+    if arch.attention == "mla" and decode:
+        qk, v = arch.kv_lora_rank + arch.qk_rope_head_dim, arch.kv_lora_rank
+    elif arch.attention == "mla":
         qk, v = arch.qk_nope_head_dim + arch.qk_rope_head_dim, arch.v_head_dim
     else:
         qk = v = arch.head_dim
@@ -340,10 +343,11 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
         peaks, eff)
     mean_context = prompt + (new + 1) / 2
     decode = _timed(PhaseTime(
-        flops=rounds * steps * (2.0 * (active + lora) * batch + attention_flops(arch, batch, mean_context)),
+        flops=rounds * steps * (2.0 * (active + lora) * batch + attention_flops(arch, batch, mean_context, decode=True)),
         hbm_bytes=rounds * steps * (forward_reads.bytes(batch) + batch * mean_context * kv + batch * act),
         intra_bytes=intra * (1 - first), inter_bytes=inter * (1 - first), tokens=shape.decode_tokens * world,
-        ops=rounds * (steps * ops(batch) + new * OPS_SAMPLE), items=rounds * steps * attention_blocks(arch, batch),
+        ops=rounds * (steps * (ops(batch) + counts.decode_extra) + new * OPS_SAMPLE),
+        items=rounds * steps * attention_blocks(arch, batch),
         adapter_flops=rounds * steps * 2.0 * lora * batch),
         peaks, eff)
     rollout = PhaseTime(flops=prefill.flops + decode.flops, hbm_bytes=prefill.hbm_bytes + decode.hbm_bytes,
