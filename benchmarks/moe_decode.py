@@ -14,8 +14,9 @@ completion is full length), after one warm-up decode in the same process. Report
 per second, median and range over ``--reps`` rounds, the sides alternating within a round, and whether
 each side's greedy tokens equal the dequantizing side's (the fused kernel rounds activations to bf16,
 so a few tokens may differ on a random model whose logits are nearly tied), and for this checkout's sides the
-tokens/s ``orbitctl plan``'s time model predicts for the same sampling (a profile of the model on one CPU rank
-with that kernel; one adapted linear, since the benchmark decodes the bare base).
+tokens/s ``orbitctl plan``'s time model predicts for the same sampling at this machine's rates, measured as
+``plan --measure-time`` measures them (a profile of the model on one CPU rank with that kernel; one adapted
+linear, since the benchmark decodes the bare base).
 """
 
 from __future__ import annotations
@@ -78,18 +79,38 @@ def greedy_decode(model, prompt, new: int):
     return time.perf_counter() - start, torch.cat(tokens, 1).tolist()
 
 
+def measured_peaks(threads: int, shape: tuple[int, int, int]):
+    """This machine's rates as ``orbitctl plan --measure-time`` measures them (a GEMM of ``shape`` in the CPU's compute
+    dtype, a memory copy, one eager op from a model's modules, one attention item) on ``threads`` threads."""
+    import torch
+
+    from orbitctl.model.cpu_dtype import torch_dtype
+    from orbitctl.plan.timing import Peaks
+    from orbitctl.rl.steptime import machine_rates, overhead_rates
+
+    torch.set_num_threads(threads)
+    dtype = torch_dtype("auto", "cpu")
+    flops, bandwidth = machine_rates(torch, dtype, shape)
+    op_s, block_s = overhead_rates(torch, dtype)
+    return Peaks(flops=flops, hbm=bandwidth, link=bandwidth, nic=bandwidth, op_s=op_s, synchronous=True,
+                 block_s=block_s)
+
+
 def predicted_decode(profile_path: Path, *, batch: int, prompt: int, new: int, kernel: str,
-                     overrides: tuple[str, ...] = ()) -> tuple[float, str]:
+                     overrides: tuple[str, ...] = (), peaks=None) -> tuple[float, str]:
     """The completion tokens/s (per GPU or CPU rank) and the decode's bound that the time model predicts for
     ``profile_path`` sampling ``batch`` sequences of ``prompt`` + ``new`` tokens in one round with ``quant.kernel:
-    kernel``: the rollout's prefill and decode, as the benchmark times them."""
+    kernel``: the rollout's prefill and decode, as the benchmark times them. ``peaks``: the measured rates (efficiency
+    1, as ``plan --measure-time`` predicts), else the catalog's."""
     from orbitctl.plan import plan_profile
+    from orbitctl.plan.measure_time import _predict
     from orbitctl.profile import load_profile
 
     profile = load_profile(str(profile_path), [f"rollout.batch_size={batch}", f"rollout.max_new_tokens={new}",
                                                f"memory.seq_len={prompt + new}", f"rl.prompts_per_step={batch // 2}",
                                                "rl.group_size=2", f"quant.kernel={kernel}", *overrides])
-    rollout = plan_profile(profile, with_advice=False).timing.phases["rollout"]
+    timing = _predict(profile, peaks) if peaks is not None else plan_profile(profile, with_advice=False).timing
+    rollout = timing.phases["rollout"]
     if not rollout.seconds:
         return 0.0, "-"
     return rollout.tokens / rollout.seconds / profile.world_size, rollout.parts["decode"].bound
@@ -211,17 +232,22 @@ def main() -> None:
     sets = slice_sets(model, args.work / "run", "cpu", 1, args.prompt + args.new, args.new)
     path = profile_file(args.work, {**sets, "name": "moe-decode", "adapter.targets": ["o_proj"],
                                     "adapter.last_layers": 1})  # one adapted linear: the benchmark decodes the base
+    peaks = measured_peaks(args.threads, (args.batch, args.hidden, args.expert_width * args.top_k))
     for row, (_, tree, kernel) in zip(rows, sides):
         row["speedup"] = row["median_tokens_per_s"] / base
         row["predicted_tokens_per_s"], row["bound"] = predicted_decode(
-            path, batch=args.batch, prompt=args.prompt, new=args.new, kernel=kernel) if tree == ROOT else (None, "")
+            path, batch=args.batch, prompt=args.prompt, new=args.new, kernel=kernel, peaks=peaks) \
+            if tree == ROOT else (None, "")
+    rates = {"gemm_flops_per_s": peaks.flops, "copy_bytes_per_s": peaks.hbm, "op_s": peaks.op_s}
     setting = {"experts": args.experts, "top_k": args.top_k, "hidden": args.hidden, "expert_width": args.expert_width,
                "moe_layers": args.moe_layers, "batch": args.batch, "prompt": args.prompt, "new": args.new,
                "reps": args.reps, "threads": args.threads}
     if args.json:
-        print(json.dumps({"setting": setting, "rows": rows}, indent=1))
+        print(json.dumps({"setting": setting, "rows": rows, "measured_rates": rates}, indent=1))
         return
     print(f"INT4 MoE decode: {setting}")
+    print(f"the plan at this machine's rates (as plan --measure-time): GEMM {peaks.flops / 1e9:.1f} GFLOP/s, "
+          f"copy {peaks.hbm / 1e9:.1f} GB/s, {peaks.op_s * 1e6:.1f} us per eager op")
     print(f"{'side':<48} {'tokens/s median (range)':>26} {'x':>6} {'greedy = dequantize':>20} {'plan predicts':>22}")
     for row in rows:
         spread = f"{row['median_tokens_per_s']:.1f} ({row['min']:.1f}-{row['max']:.1f})"
