@@ -126,7 +126,8 @@ def engine_rows(work: Path, run_dir: Path, adapter_dir: Path, smoke: bool) -> li
     port = free_port()
     env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     if smoke:
-        command = [*ORBITCTL, "serve", str(profile_path), "--port", str(port)]
+        command = [*ORBITCTL, "serve", str(profile_path), "--port", str(port), "--allow-adapter-loading",
+                   "--adapter-root", str(work.resolve())]  # the fence lets the trained adapter under work/ load
         label = "orbitctl serve (smoke)"
     else:
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(base), "--port",
