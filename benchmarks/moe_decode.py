@@ -116,6 +116,27 @@ def predicted_decode(profile_path: Path, *, batch: int, prompt: int, new: int, k
     return rollout.tokens / rollout.seconds / profile.world_size, rollout.parts["decode"].bound
 
 
+def tinygemm_row(hidden: int) -> tuple[str, str, str]:
+    """CUDA's weight-only INT4 kernel on a random [4 hidden, hidden] INT4 weight: whether its rows are independent of
+    the rows beside them (what quant.kernel: auto fuses on), and its largest difference from the dequantized weight's
+    bf16 product over 64 rows."""
+    import torch
+
+    from orbitctl.codec.formats import dequantize_int4
+    from orbitctl.model.int4_kernel import Int4Pack, rows_are_independent
+
+    g = torch.Generator().manual_seed(0)
+    words = torch.randint(-2**31, 2**31 - 1, (4 * hidden, hidden // 8), generator=g, dtype=torch.int32).cuda()
+    scale = (torch.rand(4 * hidden, hidden // 32, generator=g) * 0.02 + 0.001).to(torch.bfloat16).cuda()
+    x = torch.randn(64, hidden, generator=g).to(torch.bfloat16).cuda()
+    fused = Int4Pack.of(words, scale).matmul(x).float()
+    reference = (x.float() @ dequantize_int4(words, scale, hidden, torch.float32).t())
+    rel = float((fused - reference).abs().max() / reference.abs().max())
+    independent = rows_are_independent("cuda")
+    return ("tinygemm", f"rows independent: {independent}; largest difference {rel:.2e} of the largest output",
+            "ok" if independent and rel < 2 ** -6 else "FAIL")
+
+
 def decode_rows(model_dir: Path, profile_path: Path, device: str, *, batch: int, new: int,
                 prompt_len: int = 16) -> list[tuple[str, str, str]]:
     """benchmarks/device_check.py's decode step: ``model_dir`` (an INT4 MoE) on ``device`` decoded greedy with its
@@ -145,6 +166,8 @@ def decode_rows(model_dir: Path, profile_path: Path, device: str, *, batch: int,
         rel = float((grouped - loop).abs().max() / loop.abs().max())
         rows.append(("grouped vs dequantize", f"largest difference {rel:.2e} of the layer's largest output",
                      "ok" if rel < 2 ** -6 else "FAIL"))
+    if device == "cuda":  # the dense INT4 kernel (tinygemm): the slice's dense part is bf16, so check it on its own
+        rows.append(tinygemm_row(model.config.hidden_size))
     prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(device)
     measured = {}
