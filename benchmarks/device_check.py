@@ -18,7 +18,8 @@
 5. Decode at Kimi-K2 width (the slice of step 2, one GPU): the routed INT4 experts as the grouped Triton kernel
    (quant.kernel: fused) against the same experts dequantized one by one, greedy decode tokens/s of each, the grouped
    kernel's largest difference from the dequantizing path on one layer, and the tokens/s the time model predicts for
-   the same decode (`orbitctl plan`'s rollout decode of a profile of the slice). Decoding is eager: no CUDA graph
+   the same decode (`orbitctl plan`'s rollout decode of a profile of the slice), and CUDA's tinygemm on a random
+   INT4 weight of the slice's width (row independence, difference from the dequantized product). Decoding is eager: no CUDA graph
    (train has none), so the overhead term is what the prediction is checked on.
 4. The chunked loss at Kimi-K2's output width (vocabulary 163,840, hidden 7168, 4096 tokens) and
    the activation offload (8 layers, hidden 4096): the peak's fall and the bytes sent to host
