@@ -181,7 +181,7 @@ def grouped_supported(module, *, buffers_only: bool = False) -> bool:
 
     from orbitctl.model.quant_linear import QuantLinear
 
-    if not (hasattr(module, "held") and hasattr(module, "expert")) or not len(module.held) or not triton_present():
+    if not (hasattr(module, "held") and hasattr(module, "expert")) or not len(module.held):
         return False
     gate = module.expert(module.held[0]).gate_proj
     if not isinstance(gate, QuantLinear) or gate.fmt != "int4":
@@ -189,7 +189,8 @@ def grouped_supported(module, *, buffers_only: bool = False) -> bool:
     if buffers_only and "weight_packed" not in gate._buffers:
         return False
     device = gate.weight_packed.device.type
-    return device == "cuda" or (device == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    interpreted = device == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    return (device == "cuda" or interpreted) and triton_present()  # Triton imported only where it could run
 
 
 def takes_lora(lora) -> bool:
