@@ -145,14 +145,14 @@ def _op_counts(arch_key: Same, adapters_key: Same, quant_key: Values, gpu: str, 
     mla = arch.attention == "mla"
     fused = fused_int4(quant, gpu)
     dispatch = OPS_GROUPED_EXPERTS if grouped else OPS_EXPERT_DISPATCH
+    # a GPU's routed experts run grouped or dequantize (orbitctl.model.frozen_base.use_fused_int4)
+    expert_fused = fused and (grouped or resolve_gpu(gpu).vendor == "cpu")
     for layer in arch.layers:
         dense += OPS_NORM * (2 + (2 if mla else 0)) + OPS_ATTENTION["mla" if mla else "gqa"] + OPS_RESIDUAL
         dense += OPS_MLP if not layer.moe else (OPS_ROUTER + dispatch + (OPS_MLP if arch.shared_intermediate_size else 0))
         for w in layer.weights:
             if not w.linear:
                 continue
-            # a GPU's routed experts run grouped or dequantize (orbitctl.model.frozen_base.use_fused_int4)
-            expert_fused = fused and (grouped or resolve_gpu(gpu).vendor == "cpu")
             ops = _linear_ops(w, quant, (layer.index, w.name) in adapted, expert_fused if w.kind == EXPERT else fused)
             if w.kind == EXPERT and expert_fused and not grouped and w.name.endswith("up_proj") \
                     and (layer.index, w.name) not in adapted:
