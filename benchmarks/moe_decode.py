@@ -85,15 +85,14 @@ def measured_peaks(threads: int, shape: tuple[int, int, int]):
     import torch
 
     from orbitctl.model.cpu_dtype import torch_dtype
-    from orbitctl.plan.timing import Peaks
+    from orbitctl.plan.measure_time import peaks_of_rates
     from orbitctl.rl.steptime import machine_rates, overhead_rates
 
     torch.set_num_threads(threads)
     dtype = torch_dtype("auto", "cpu")
     flops, bandwidth = machine_rates(torch, dtype, shape)
     op_s, block_s = overhead_rates(torch, dtype)
-    return Peaks(flops=flops, hbm=bandwidth, link=bandwidth, nic=bandwidth, op_s=op_s, synchronous=True,
-                 block_s=block_s)
+    return peaks_of_rates({"flops_per_s": flops, "bytes_per_s": bandwidth, "op_s": op_s, "attention_block_s": block_s})
 
 
 def predicted_decode(profile_path: Path, *, batch: int, prompt: int, new: int, kernel: str,
@@ -103,13 +102,13 @@ def predicted_decode(profile_path: Path, *, batch: int, prompt: int, new: int, k
     kernel``: the rollout's prefill and decode, as the benchmark times them. ``peaks``: the measured rates (efficiency
     1, as ``plan --measure-time`` predicts), else the catalog's."""
     from orbitctl.plan import plan_profile
-    from orbitctl.plan.measure_time import _predict
+    from orbitctl.plan.measure_time import predict_at
     from orbitctl.profile import load_profile
 
     profile = load_profile(str(profile_path), [f"rollout.batch_size={batch}", f"rollout.max_new_tokens={new}",
                                                f"memory.seq_len={prompt + new}", f"rl.prompts_per_step={batch // 2}",
                                                "rl.group_size=2", f"quant.kernel={kernel}", *overrides])
-    timing = _predict(profile, peaks) if peaks is not None else plan_profile(profile, with_advice=False).timing
+    timing = predict_at(profile, peaks) if peaks is not None else plan_profile(profile, with_advice=False).timing
     rollout = timing.phases["rollout"]
     if not rollout.seconds:
         return 0.0, "-"

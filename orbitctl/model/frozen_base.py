@@ -20,6 +20,7 @@ Every parameter of the base has ``requires_grad=False``.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -117,24 +118,26 @@ def use_fused_int4(model: nn.Module, *, buffers_only: bool = False) -> int:
     parameter would keep on every rank what ZeRO-3 shards. A layer of a shape the kernel does not take
     keeps dequantizing. On a GPU the routed experts of a MoE layer are stacked for the grouped kernel instead
     (:func:`use_grouped_experts`, which holds no second copy) where Triton is present, else they dequantize."""
+    from orbitctl.model.expert_lora import expert_layers
     from orbitctl.model.quant_linear import ExpertMLP
 
     grouped = use_grouped_experts(model, buffers_only=buffers_only)
-    experts = {id(m) for layer in model.modules() if hasattr(layer, "held") and hasattr(layer, "expert")
-               for e in layer.held for m in layer.expert(e).children()}
-    total, gate_up = 0, set()
-    for expert in model.modules():  # a CPU expert's gate and up in one pack: one kernel call for both
-        if not isinstance(expert, ExpertMLP) or not _packable(expert.gate_proj, buffers_only) \
-                or not _packable(expert.up_proj, buffers_only) or expert.gate_proj.weight_packed.device.type != "cpu":
-            continue
-        total += expert.use_fused_gate_up()
-        gate_up.update((id(expert.gate_proj), id(expert.up_proj)))
+    done, total = set(grouped), 0  # linears never packed alone
+    for _, layer in expert_layers(model):
+        for e in layer.held:
+            expert = layer.expert(e)
+            gate, up = expert.gate_proj, expert.up_proj
+            if id(gate) in grouped:
+                continue
+            if next(itertools.chain(expert.parameters(), expert.buffers())).device.type != "cpu":
+                done.update(id(m) for m in expert.children())  # a GPU's expert runs grouped or dequantizes:
+                continue                                        # a pack each would hold it twice
+            if isinstance(expert, ExpertMLP) and _packable(gate, buffers_only) and _packable(up, buffers_only):
+                total += expert.use_fused_gate_up()  # a CPU expert's gate and up in one pack: one kernel call
+                done.update((id(gate), id(up)))
     for module in model.modules():
-        if id(module) in grouped or id(module) in gate_up or not _packable(module, buffers_only):
-            continue
-        if id(module) in experts and module.weight_packed.device.type != "cpu":
-            continue  # a GPU's routed experts run grouped or dequantize: a pack each would hold them twice
-        total += module.use_fused_kernel()
+        if id(module) not in done and _packable(module, buffers_only):
+            total += module.use_fused_kernel()
     return total
 
 
@@ -157,10 +160,11 @@ def use_grouped_experts(model: nn.Module, *, buffers_only: bool = False) -> set[
     (:class:`~orbitctl.model.grouped_int4.ExpertStack`, attached as the layer's ``stack``); returns the ids of
     the experts' linears so stacked. A layer whose expert adapters are per expert, or whose experts ZeRO-3
     partitions (``buffers_only`` and held as parameters), keeps its per-expert loop."""
+    from orbitctl.model.expert_lora import expert_layers
     from orbitctl.model.grouped_int4 import ExpertStack, grouped_supported
 
     stacked: set[int] = set()
-    for module in model.modules():
+    for _, module in expert_layers(model):
         if not grouped_supported(module, buffers_only=buffers_only):
             continue
         module.stack = ExpertStack.of(module)

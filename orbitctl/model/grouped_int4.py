@@ -174,14 +174,14 @@ def grouped_reference(a: torch.Tensor, words: torch.Tensor, scales: torch.Tensor
 
 
 def grouped_supported(module, *, buffers_only: bool = False) -> bool:
-    """Whether ``module`` is a MoE layer whose routed experts the grouped kernel can run: INT4 experts on a CUDA
-    device (or on the CPU under Triton's interpreter, ``TRITON_INTERPRET=1``), Triton present, and under ZeRO-3
+    """Whether the grouped kernel can run the routed experts of ``module`` (a MoE layer: ``held`` and ``expert``): INT4
+    experts on a CUDA device (or on the CPU under Triton's interpreter, ``TRITON_INTERPRET=1``), Triton present, and under ZeRO-3
     (``buffers_only``) experts held as buffers (expert parallelism), which ZeRO does not partition."""
     import os
 
     from orbitctl.model.quant_linear import QuantLinear
 
-    if not (hasattr(module, "held") and hasattr(module, "expert")) or not len(module.held):
+    if not len(module.held):
         return False
     gate = module.expert(module.held[0]).gate_proj
     if not isinstance(gate, QuantLinear) or gate.fmt != "int4":

@@ -52,7 +52,16 @@ class TimeMeasurement:
                 "rows": self.rows, "predicted": self.predicted.to_dict(), "notes": list(self.notes)}
 
 
-def _predict(profile, peaks: Peaks) -> StepTime:
+def peaks_of_rates(rates: dict) -> Peaks:
+    """The Peaks of rates measured on this machine (``flops_per_s``, ``bytes_per_s``, ``op_s``,
+    ``attention_block_s``, optionally ``adapter_flops_per_s``): a CPU rank, one op after another."""
+    bandwidth = rates["bytes_per_s"]
+    return Peaks(flops=rates["flops_per_s"], hbm=bandwidth, link=bandwidth, nic=bandwidth, op_s=rates["op_s"],
+                 synchronous=True, block_s=rates["attention_block_s"],
+                 adapter_flops=rates.get("adapter_flops_per_s", 0.0))
+
+
+def predict_at(profile, peaks: Peaks) -> StepTime:
     """timing.step_time of the profile at ``peaks``, efficiency 1."""
     from orbitctl.plan import _arch
     from orbitctl.plan.budget import prepare
@@ -106,9 +115,7 @@ def measure_time(profile) -> TimeMeasurement:
         raise RunFailed(f"--measure-time: the training step failed: {last}", fix="run orbitctl train on the profile to see why")
     got = json.loads(done.stdout.strip().splitlines()[-1])
     flops, bandwidth = got["flops_per_s"], got["bytes_per_s"]
-    peaks = Peaks(flops=flops, hbm=bandwidth, link=bandwidth, nic=bandwidth, op_s=got["op_s"], synchronous=True,
-                  block_s=got["attention_block_s"], adapter_flops=got["adapter_flops_per_s"])
-    predicted = _predict(profile, peaks)
+    predicted = predict_at(profile, peaks_of_rates(got))
     measured = {"rollout": got["rollout_s"], "policy_update": got["policy_update_s"]}
     rates = {k: v for k, v in got.items() if k not in ("rollout_s", "policy_update_s")}
     notes = [f"one rank, {got['threads']} thread(s); measured now: {got['dtype']} matmul {gemm[0]}x{gemm[1]}x{gemm[2]} "

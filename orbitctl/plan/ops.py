@@ -105,6 +105,14 @@ def fused_int4(quant, gpu: str) -> bool:
     return quant.format == "int4" and quant.kernel != "dequantize" and resolve_gpu(gpu).vendor in ("cpu", "nvidia")
 
 
+def experts_fused(fused: bool, grouped: bool, gpu: str) -> bool:
+    """Whether the routed experts' forward reads their 4-bit codes once: the CPU's fused kernel, or a GPU's grouped
+    kernel; a GPU's ungrouped experts dequantize (orbitctl.model.frozen_base.use_fused_int4)."""
+    from orbitctl.profile.gpus import resolve_gpu
+
+    return fused and (grouped or resolve_gpu(gpu).vendor == "cpu")
+
+
 def grouped_experts(profile, adapters=None) -> bool:
     """Whether the routed experts run as grouped INT4 kernels (orbitctl.model.grouped_int4): the fused kernel on an
     NVIDIA GPU, INT4 experts, no per-expert adapter factors, and experts ZeRO-3 does not partition (expert parallelism,
@@ -145,8 +153,7 @@ def _op_counts(arch_key: Same, adapters_key: Same, quant_key: Values, gpu: str, 
     mla = arch.attention == "mla"
     fused = fused_int4(quant, gpu)
     dispatch = OPS_GROUPED_EXPERTS if grouped else OPS_EXPERT_DISPATCH
-    # a GPU's routed experts run grouped or dequantize (orbitctl.model.frozen_base.use_fused_int4)
-    expert_fused = fused and (grouped or resolve_gpu(gpu).vendor == "cpu")
+    expert_fused = experts_fused(fused, grouped, gpu)
     for layer in arch.layers:
         dense += OPS_NORM * (2 + (2 if mla else 0)) + OPS_ATTENTION["mla" if mla else "gqa"] + OPS_RESIDUAL
         dense += OPS_MLP if not layer.moe else (OPS_ROUTER + dispatch + (OPS_MLP if arch.shared_intermediate_size else 0))

@@ -33,7 +33,8 @@ from orbitctl.plan.comm import (Communication, decode_forwards, decoded_tokens, 
                                rollout_batch)
 from orbitctl.plan.layout import Layout
 from orbitctl.plan.ops import (BACKWARD_OPS, OPS_LOSS, OPS_OPTIMIZER, OPS_SAMPLE, activation_bytes_per_token,
-                               adapter_active_params, attention_blocks, fused_int4, grouped_experts, op_counts)
+                               adapter_active_params, attention_blocks, experts_fused, fused_int4, grouped_experts,
+                               op_counts)
 from orbitctl.plan.storage import BaseStorage
 
 COMPUTE_EFFICIENCY = 0.5
@@ -305,8 +306,8 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
     shape, world, ro = comm.shape, profile.world_size, profile.rollout
     reads = weight_reads(arch, storage, layout)  # the backward dequantizes, whatever the forward's kernel
     fused = fused_int4(profile.quant, profile.hardware.gpu)
-    forward_reads = weight_reads(arch, storage, layout, fused=fused, experts_fused=fused and (
-        peaks.synchronous or grouped_experts(profile, adapters)))
+    forward_reads = weight_reads(arch, storage, layout, fused=fused, experts_fused=experts_fused(
+        fused, grouped_experts(profile, adapters), profile.hardware.gpu))
     active = arch.params_active
     terms = comm.terms
     counts = op_counts(profile, arch, adapters)

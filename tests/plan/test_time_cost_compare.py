@@ -19,9 +19,9 @@ def _profile(repo, name, **change):
 
 
 def _measured_step(profile, peaks):
-    from orbitctl.plan.measure_time import _predict
+    from orbitctl.plan.measure_time import predict_at
 
-    return _predict(profile, peaks)
+    return predict_at(profile, peaks)
 
 
 @pytest.mark.parametrize("name,change", [("tiny-cpu", {}),
