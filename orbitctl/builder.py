@@ -142,7 +142,7 @@ def load_policy(profile, base: PreparedBase, device: str | None = None):
                   gradient_checkpointing=profile.memory.gradient_checkpointing,
                   lockstep=Lockstep() if experts is not None else None, chat_template=profile.data.chat_template,
                   kv_dtype=profile.rollout.kv_dtype, router_replay=profile.rl.router_replay,
-                  system_prompt=profile.data.system_prompt)
+                  system_prompt=profile.data.system_prompt, decode_graphs=profile.rollout.decode_graphs)
 
 
 def expert_group(profile):

@@ -82,7 +82,8 @@ class Policy:
 
     def __init__(self, model, tokenizer, report: AdapterReport, *, hidden_size: int, adapter_kind: str,
                  gradient_checkpointing: bool = True, lockstep=None, chat_template: bool = False,
-                 kv_dtype: str = "bf16", router_replay: bool = False, system_prompt: str | None = None) -> None:
+                 kv_dtype: str = "bf16", router_replay: bool = False, system_prompt: str | None = None,
+                 decode_graphs: bool | str = "auto") -> None:
         from orbitctl.model.expert_parallel import SOLO
         from orbitctl.model.router_replay import RouterTape
 
@@ -94,6 +95,9 @@ class Policy:
         self.kv_dtype = kv_dtype
         """How the infer path keeps its KV cache (``rollout.kv_dtype``; :mod:`orbitctl.model.kv_cache`): ``bf16`` in
         the compute dtype, ``fp8`` in float8 e4m3 with a scale per token and KV head. The train path has no cache."""
+        self.decode_graphs = decode_graphs
+        """``rollout.decode_graphs``: on a CUDA GPU each decode step after the first two replays a CUDA graph over a
+        static KV cache (:mod:`orbitctl.model.graph_decode`); false decodes eagerly everywhere."""
         self.lockstep = lockstep or SOLO
         self.routing = RouterTape.attach(model)
         """The MoE routers' tape (:mod:`orbitctl.model.router_replay`): the infer path records each sampled token's
@@ -166,7 +170,8 @@ class Policy:
 
     def sample(self, prompt_ids, prompt_mask, *, max_new_tokens: int, temperature: float, top_p: float,
                generator, keep_dist: bool = False, keep_logits: bool = False,
-               keep_hidden: bool = False, forced=None, draws=None, kv_dtype: str | None = None) -> Samples:
+               keep_hidden: bool = False, forced=None, draws=None, kv_dtype: str | None = None,
+               static: bool | None = None) -> Samples:
         """Sample one completion per row; temperature 0 is greedy.
 
         ``keep_logits`` / ``keep_hidden`` record, per generated token, the scaled logits and the
@@ -177,9 +182,12 @@ class Policy:
         ``draws`` (:class:`~orbitctl.model.draws.KeyedDraws`, one key per row) replaces ``generator`` when
         sampling: each row's tokens then depend on its key, not on the batch it is sampled in.
         ``kv_dtype`` overrides :attr:`kv_dtype` for this call (the kernel floor decodes in the compute dtype).
+        ``static`` decodes on the static step (:class:`~orbitctl.model.graph_decode.StaticDecode`: captured as a CUDA
+        graph on a GPU, eager elsewhere) or not; None: where :attr:`decode_graphs` applies.
         """
         import torch
 
+        from orbitctl.model.graph_decode import StaticDecode, graphs_apply
         from orbitctl.model.kv_cache import new_kv_cache
 
         if forced is not None:
@@ -215,6 +223,15 @@ class Policy:
                 if keep_hidden:
                     out.hidden_states = tuple(h[rows] for h in out.hidden_states)
             next_pos = mask.sum(-1, keepdim=True)
+            kv = kv_dtype or self.kv_dtype
+            if static is None:
+                static = graphs_apply(self.decode_graphs, device.type, kv_dtype=kv, keep_hidden=keep_hidden)
+            stepper = None
+            if static and max_new_tokens > 1:
+                if keep_hidden or fresh is not None:
+                    raise ValueError("the static decode step keeps neither hidden states nor a float8 KV cache")
+                stepper = StaticDecode(self.model, self._cache_kw, cache, mask, next_pos, max_new_tokens - 1,
+                                       capture=device.type == "cuda", routing=self.routing)
             finished = torch.zeros(batch, dtype=torch.bool, device=device)
             tokens, logps, keep, dists, raw, hidden = [], [], [], [], [], []
             for step in range(max_new_tokens):
@@ -248,6 +265,9 @@ class Policy:
                 # decodes until all are done, and every rank stops at the same last step without asking
                 if step == max_new_tokens - 1 or self.lockstep.all_done(bool(finished.all())):
                     break
+                if stepper is not None:
+                    logits = stepper(token, alive)
+                    continue
                 mask = torch.cat([mask, alive.long()[:, None]], dim=-1)
                 out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos,
                                  use_cache=True, output_hidden_states=keep_hidden, **{self._cache_kw: cache})

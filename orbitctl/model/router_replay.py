@@ -124,6 +124,16 @@ class RouterTape:
         self.mode, self._replay = "record", None
         self._recorded = [[] for _ in self.routers]
 
+    def pop_last(self) -> list[torch.Tensor]:
+        """Remove and return each layer's last recorded forward: what a CUDA-graph capture recorded, the tensors
+        each replay rewrites (:class:`~orbitctl.model.graph_decode.StaticDecode` appends their copies)."""
+        return [calls.pop() for calls in self._recorded]
+
+    def append(self, indices: list[torch.Tensor]) -> None:
+        """Record one forward's experts per layer, as the hooks do (a replayed graph runs no hook)."""
+        for calls, chosen in zip(self._recorded, indices):
+            calls.append(chosen)
+
     def take(self, batch: int, tokens: int, alive: torch.Tensor | None = None) -> torch.Tensor:
         """The recording of ``batch`` rows as ``[batch, tokens, L, k]`` (:data:`ROUTE_DTYPE`, on the CPU): forward
         ``t`` fed token ``t`` of each row; tokens never fed and where ``alive`` [batch, tokens] is 0 are

@@ -345,6 +345,10 @@ class RolloutSection(Section):
     kv_dtype: Literal["bf16", "fp8"] = "bf16"
     """KV-cache dtype of the inference path: fp8 keeps K/V (MLA: the latent) in float8 e4m3 with one fp32 scale
     per token and KV head, on the infer path of train, verify-alignment, eval and serve."""
+    decode_graphs: Union[bool, Literal["auto"]] = "auto"
+    """true/auto: on a CUDA GPU the infer path decodes on a static KV cache and replays each step from a CUDA graph
+    (one launch a token instead of one per op; needs kv_dtype bf16); false: eager decode. auto decodes eagerly where
+    graphs do not apply (CPU, fp8 KV); true is refused there."""
     engine: Literal["shared", "separate", "http"] = "shared"
     """shared: rollout uses the trainer's own weights (orbitctl's infer path); separate: a colocated engine holds its
     own copy (plan models it); http: an inference engine behind HTTP (vLLM, SGLang or ``orbitctl serve``) samples

@@ -111,6 +111,12 @@ _RULES: tuple[_Rule, ...] = (
           "runs PyTorch's weight-only INT4 kernels, which exist for the CPU and NVIDIA GPUs, and this profile runs on "
           "another GPU, where the INT4 layers dequantize",
           "set quant.kernel: auto or dequantize"),
+    _Rule("rollout.decode_graphs", _MODEL_RUNNING, lambda v, p: v is True and _vendor(p) == "cpu",
+          "replays the decode step from a CUDA graph, and this profile runs on the CPU, which decodes eagerly",
+          "set rollout.decode_graphs: auto or false"),
+    _Rule("rollout.decode_graphs", _MODEL_RUNNING, lambda v, p: v is True and p.rollout.kv_dtype != "bf16",
+          "decodes on a static KV cache in the compute dtype, and rollout.kv_dtype fp8 grows a float8 cache per step",
+          "set rollout.kv_dtype: bf16, or rollout.decode_graphs: auto (eager decode with the fp8 cache)"),
     _Rule("rl.router_replay", (TRAIN, VERIFY_INTERNAL), lambda v, p: v is True and not _is_moe(p),
           "replays the experts a mixture-of-experts model routed each token to, and this model has no routed experts",
           "set rl.router_replay: false"),

@@ -1,0 +1,118 @@
+"""The decode step at static shapes, replayed from a CUDA graph on a GPU (``rollout.decode_graphs``).
+
+    step = StaticDecode(model, cache_kw, prefilled_cache, mask, positions, max_new_tokens, capture=True)
+    logits = step(token, alive)        # one generated token per row: a graph replay on a GPU, eager elsewhere
+
+An eager decode step launches every op of the model from Python, one after the other: thousands of
+kernels a token on a MoE model (a grouped expert layer alone is ~40), each a few microseconds of host
+time while the GPU waits. A CUDA graph records the step's kernels once and replays them with one
+call. What a graph needs is a step whose tensors keep their shapes and addresses and which never asks
+the host for a value:
+
+* the KV cache is preallocated at the batch's full length, prompt width + new tokens (transformers'
+  ``StaticLayer``: the new position is written in place at a device-side counter), filled from the
+  prefill's cache once;
+* the attention mask is one ``[B, 1, 1, L]`` additive bias in the compute dtype, a column opened per
+  step in place (left padding and finished rows stay closed), passed to the model as a prepared 4D
+  mask so transformers builds none;
+* the token and position inputs are buffers written in place;
+* the routed experts run grouped (:mod:`~orbitctl.model.grouped_int4`, no ``.tolist()``) and, under
+  expert parallelism, exchange tokens at static shapes (:meth:`ExpertParallelExperts.static_exchange`).
+
+The first decode step runs eagerly on a side stream (it warms the allocator, compiles Triton kernels and
+takes MLA's up-projection once); the second is captured; every later step is a replay. The step's result
+is the same function as the eager decode over a growing cache: attention over the masked-out slots adds
+exact zeros. Off a GPU the same static step runs eagerly, which is how its numerics are tested here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from orbitctl.model.router_replay import RouterTape
+
+GRAPH_KV_DTYPES = ("bf16",)
+"""KV-cache dtypes the static step keeps (the float8 cache grows its scales per step)."""
+
+
+def graphs_apply(setting: bool | str, device_type: str, *, kv_dtype: str, keep_hidden: bool = False) -> bool:
+    """Whether a decode runs on the static step with a captured graph: ``rollout.decode_graphs`` true or ``auto``,
+    on a CUDA device, with a KV cache the static step keeps, and no per-step hidden states asked for."""
+    return setting is not False and device_type == "cuda" and kv_dtype in GRAPH_KV_DTYPES and not keep_hidden
+
+
+def closed_value(dtype: torch.dtype) -> float:
+    """The additive bias of a masked-out key: the dtype's lowest finite value (exp of it minus any score is 0)."""
+    return torch.finfo(dtype).min
+
+
+class StaticDecode:
+    """One batch's decode after its prefill, at static shapes (see the module docstring)."""
+
+    def __init__(self, model, cache_kw: str, prefilled, mask: torch.Tensor, positions: torch.Tensor,
+                 max_new_tokens: int, *, capture: bool, routing: RouterTape | None = None) -> None:
+        from transformers.cache_utils import Cache, StaticLayer
+
+        self.model, self.cache_kw, self.capture, self.routing = model, cache_kw, capture, routing
+        batch, width = mask.shape
+        length = width + max_new_tokens
+        self.cache = Cache(layers=[StaticLayer(max_cache_len=length) for _ in prefilled.layers])
+        for static, grown in zip(self.cache.layers, prefilled.layers):
+            static.lazy_initialization(grown.keys, grown.values)
+            static.keys[:, :, :width].copy_(grown.keys)
+            static.values[:, :, :width].copy_(grown.values)
+            static.cumulative_length.fill_(width)
+        dtype = self.cache.layers[0].keys.dtype
+        self.closed = closed_value(dtype)
+        self.bias = torch.full((batch, 1, 1, length), self.closed, dtype=dtype, device=mask.device)
+        self.bias[:, 0, 0, :width].masked_fill_(mask.bool(), 0.0)
+        self.token = torch.zeros((batch, 1), dtype=torch.long, device=mask.device)
+        self.position = positions.clone()
+        self.slot = width
+        """The cache slot the next fed token is written to (the layers' device-side counters agree)."""
+        self.length = length
+        self.graph = None
+        self.logits = None
+        self._routes: list[torch.Tensor] | None = None
+
+    def _forward(self) -> torch.Tensor:
+        out = self.model(input_ids=self.token, attention_mask=self.bias, position_ids=self.position, use_cache=True,
+                         **{self.cache_kw: self.cache})
+        return out.logits[:, -1, :]
+
+    def __call__(self, token: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+        """Feed ``token`` [B] (a row not ``alive`` feeds padding its later steps never attend to); returns the next
+        logits [B, vocab]. The tensor returned is overwritten by the next call on a GPU: read it first."""
+        if self.slot >= self.length:
+            raise RuntimeError(f"the static decode holds {self.length} positions and all are written")
+        self.token.copy_(token[:, None])
+        self.bias[:, 0, 0, self.slot].masked_fill_(alive.bool(), 0.0)
+        if not self.capture:
+            logits = self._forward()
+        elif self.graph is not None:
+            self.graph.replay()
+            logits = self.logits
+            self._record_replayed()
+        elif self.logits is None:  # the warm-up step: eager, on a side stream, as capture wants
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                logits = self._forward()
+            torch.cuda.current_stream().wait_stream(side)
+            self.logits = logits
+        else:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._forward()  # recorded, not run: the replay below runs it
+            if self.routing is not None and self.routing.mode == "record":
+                self._routes = self.routing.pop_last()  # the routing tensors the graph rewrites at each replay
+            self.graph.replay()
+            logits = self.logits
+            self._record_replayed()
+        self.position.add_(1)
+        self.slot += 1
+        return logits
+
+    def _record_replayed(self) -> None:
+        if self._routes is not None:
+            self.routing.append([indices.clone() for indices in self._routes])

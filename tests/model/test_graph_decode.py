@@ -1,0 +1,109 @@
+"""The static decode step (orbitctl.model.graph_decode): what a CUDA graph replays on a GPU, run eagerly here.
+
+It must sample what the eager decode over a growing cache samples: the same greedy tokens, the same routing on an
+MoE, log-probs within a few roundings of the compute dtype (attention over the closed slots adds exact zeros, the
+sums only block differently); and every step must keep its shapes and the cache's addresses, or a replayed graph
+would read stale memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from orbitctl.model.graph_decode import StaticDecode, graphs_apply  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _policy(name: str, tmp_path_factory, **sets):
+    from orbitctl.builder import load_policy, prepare_frozen_base
+    from orbitctl.data.prompts import load_prompts
+    from orbitctl.profile import load_profile
+
+    profile = load_profile(ROOT / "profiles" / name,
+                           [f"run.dir={tmp_path_factory.mktemp('run')}", *(f"{k}={v}" for k, v in sets.items())])
+    split = load_prompts(profile.data, profile.run.seed)
+    return load_policy(profile, prepare_frozen_base(profile, split.warm_task)), split
+
+
+@pytest.mark.parametrize("name", ["tiny-cpu.yaml", "tiny-moe-cpu.yaml"])
+def test_the_static_step_samples_what_the_growing_cache_samples(name, tmp_path_factory, model_cache):
+    policy, split = _policy(name, tmp_path_factory)
+    # prompts of different lengths: left padding in the batch
+    prompts = [it.prompt + " 7" * i for i, it in enumerate(split.train[:5])]
+    ids, mask = policy.encode_prompts(prompts)
+    assert (mask == 0).any()
+    runs = {}
+    for static in (False, True):
+        runs[static] = policy.sample(ids, mask, max_new_tokens=7, temperature=0.0, top_p=1.0, generator=None,
+                                     keep_dist=True, static=static)
+    eager, fixed = runs[False], runs[True]
+    assert torch.equal(fixed.completion_ids, eager.completion_ids)
+    assert torch.equal(fixed.completion_mask, eager.completion_mask)
+    kept = eager.completion_mask.bool()
+    dtype = policy.model.get_input_embeddings().weight.dtype
+    bound = 64 * torch.finfo(dtype).eps * (1 + eager.dist[kept].abs().max())
+    assert (fixed.dist[kept] - eager.dist[kept]).abs().max() <= bound
+    if policy.routing is not None:  # the experts each decoded token went to: recorded alike
+        assert torch.equal(fixed.routes, eager.routes)
+
+
+def test_the_static_step_keeps_its_shapes_and_addresses(tmp_path_factory, model_cache):
+    """Every step writes into the same cache tensors at a device-side counter, opens one mask column, and feeds
+    the same input buffers: what a graph captured at one step replays at every later one."""
+    from transformers import DynamicCache
+
+    policy, split = _policy("tiny-moe-cpu.yaml", tmp_path_factory)
+    ids, mask = policy.encode_prompts([it.prompt + " 7" * i for i, it in enumerate(split.train[:3])])
+    model = policy.model
+    model.eval()
+    with torch.no_grad():
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                    **{policy._cache_kw: DynamicCache()})
+        prefilled = getattr(out, policy._cache_kw)
+        step = StaticDecode(model, policy._cache_kw, prefilled, mask, mask.sum(-1, keepdim=True), 4, capture=False)
+        width = ids.shape[1]
+        addresses = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in step.cache.layers]
+        inputs = (step.token.data_ptr(), step.position.data_ptr(), step.bias.data_ptr())
+        token = out.logits[:, -1].argmax(-1)
+        alive = torch.tensor([True, False, True])
+        for t in range(4):
+            logits = step(token, alive)
+            assert logits.shape == (3, model.config.vocab_size)
+            assert [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in step.cache.layers] == addresses
+            assert (step.token.data_ptr(), step.position.data_ptr(), step.bias.data_ptr()) == inputs
+            assert all(int(layer.cumulative_length) == width + t + 1 for layer in step.cache.layers)
+            token = logits.argmax(-1)
+        # the prompt's padding and a dead row's fed tokens stay closed; the live rows' are open
+        opened = step.bias[:, 0, 0] == 0
+        assert torch.equal(opened[:, :width], mask.bool())
+        assert opened[[0, 2], width:].all() and not opened[1, width:].any()
+        with pytest.raises(RuntimeError, match="all are written"):
+            step(token, alive)
+
+
+def test_graphs_apply_only_on_a_cuda_device_with_a_static_cache():
+    assert graphs_apply("auto", "cuda", kv_dtype="bf16")
+    assert graphs_apply(True, "cuda", kv_dtype="bf16")
+    assert not graphs_apply(False, "cuda", kv_dtype="bf16")
+    assert not graphs_apply("auto", "cpu", kv_dtype="bf16")
+    assert not graphs_apply("auto", "cuda", kv_dtype="fp8")
+    assert not graphs_apply("auto", "cuda", kv_dtype="bf16", keep_hidden=True)
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["rollout.decode_graphs=true"], "rollout.decode_graphs: true replays the decode step from a CUDA graph"),
+    (["rollout.decode_graphs=true", "hardware.gpu=h200", "rollout.kv_dtype=fp8"], "rollout.kv_dtype fp8"),
+])
+def test_decode_graphs_true_is_refused_where_it_cannot_apply(sets, needle):
+    from orbitctl.profile import load_profile
+    from orbitctl.profile.support import unsupported_for
+
+    profile = load_profile(ROOT / "profiles" / "tiny-cpu.yaml", sets)
+    found = [u.render() for u in unsupported_for("train", profile) if u.key == "rollout.decode_graphs"]
+    assert len(found) == 1 and needle in found[0], found
