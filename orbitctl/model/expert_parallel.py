@@ -91,6 +91,32 @@ def _exchange(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], g
     return out
 
 
+def _all_gather(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    """Every rank's ``x`` (all of one shape) stacked in rank order along the first dimension."""
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
+    if dist.get_backend(group) == "gloo":  # gloo has no all_gather_into_tensor for every dtype
+        dist.all_gather(list(out.chunk(size)), x, group=group)
+    else:
+        dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
+def _reduce_scatter(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    """The sum over the ranks of ``x`` [size x N, ...], this rank's N rows of it."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter: the whole sum, this rank's rows kept
+        whole = x.contiguous()
+        dist.all_reduce(whole, group=group)
+        return whole.chunk(size)[dist.get_rank(group)].contiguous()
+    out = x.new_empty((x.shape[0] // size,) + tuple(x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
+
+
 class ExpertParallelExperts(nn.Module):
     """Drop-in for transformers 5's fused experts module (and :class:`QuantExperts`) under expert parallelism.
 
@@ -129,7 +155,41 @@ class ExpertParallelExperts(nn.Module):
             return self.stack.forward(x, experts - self.first, 1, self.act_fn, lora)
         return experts_by_row(self, experts, lambda order: x[order], lora)[0]
 
+    def static_exchange(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The forward at static shapes, with no value read by the host (a CUDA graph's decode step; no autograd):
+        every rank's tokens, routing and gate weights all-gathered, this rank's experts run on the slots routed to
+        them (the grouped kernel with every other slot in a skipped block; per expert off it), each token's weighted
+        sum of them reduce-scattered back to the rank it came from. Every rank must pass the same number of tokens.
+
+        At ``top_k`` = ``P`` a token's vector travels as far as by all-to-all (to P - 1 ranks, once each way); the
+        sizes are known before the step, where the all-to-all needs the counts on the host."""
+        tokens, k = top_k_index.shape
+        size = self.ep.size
+        every = _all_gather(hidden_states, self.ep.group, size)
+        routes = _all_gather(top_k_index, self.ep.group, size).reshape(-1)
+        weights = _all_gather(top_k_weights, self.ep.group, size).reshape(-1, 1)
+        local = routes - self.first
+        mine = (local >= 0) & (local < self.per_rank)
+        lora = self.expert_lora.bound() if self.expert_lora is not None else None
+        if self.stack is not None and takes_lora(lora):
+            out = self.stack.forward(every, torch.where(mine, local, self.per_rank), k, self.act_fn, lora,
+                                     skip=True)
+        else:  # the per-expert loop reads the routing on the host: eager only
+            slots = torch.nonzero(mine).squeeze(-1)
+            out = every.new_zeros((routes.shape[0], every.shape[-1]))
+            out[slots] = experts_by_row(self, routes[slots],
+                                        lambda order: every[torch.div(slots[order], k, rounding_mode="floor")], lora)[0]
+        weighted = torch.where(mine[:, None], out * weights.to(out.dtype), torch.zeros((), dtype=out.dtype,
+                                                                                        device=out.device))
+        partial = weighted.view(size * tokens, k, -1).sum(1).to(hidden_states.dtype)
+        return _reduce_scatter(partial, self.ep.group, size)
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        from orbitctl.model.graph_decode import static_shapes_active
+
+        if static_shapes_active() and not torch.is_grad_enabled():
+            return self.static_exchange(hidden_states, top_k_index, top_k_weights)
         tokens, k = top_k_index.shape
         grad = torch.is_grad_enabled()
         with torch.no_grad():

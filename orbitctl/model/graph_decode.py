@@ -27,9 +27,29 @@ exact zeros. Off a GPU the same static step runs eagerly, which is how its numer
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 
 from orbitctl.model.router_replay import RouterTape
+
+_STATIC = contextvars.ContextVar("orbitctl_static_shapes", default=False)
+
+
+@contextlib.contextmanager
+def static_shapes():
+    """Within it the model's layers take their static-shape forms (the expert-parallel exchange)."""
+    token = _STATIC.set(True)
+    try:
+        yield
+    finally:
+        _STATIC.reset(token)
+
+
+def static_shapes_active() -> bool:
+    return _STATIC.get()
+
 
 GRAPH_KV_DTYPES = ("bf16",)
 """KV-cache dtypes the static step keeps (the float8 cache grows its scales per step)."""
@@ -46,6 +66,21 @@ def closed_value(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min
 
 
+def same_batch_on_every_rank(model, batch: int, device: torch.device) -> bool:
+    """Whether every rank of ``model``'s expert-parallel group decodes ``batch`` rows (True without expert
+    parallelism); collective over that group, once per batch."""
+    import torch.distributed as dist
+
+    from orbitctl.model.expert_parallel import ExpertParallelExperts
+
+    layer = next((m for m in model.modules() if isinstance(m, ExpertParallelExperts)), None)
+    if layer is None or layer.ep.size == 1:
+        return True
+    extremes = torch.tensor([batch, -batch], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=layer.ep.group)
+    return int(extremes[0]) == -int(extremes[1])
+
+
 class StaticDecode:
     """One batch's decode after its prefill, at static shapes (see the module docstring)."""
 
@@ -53,8 +88,12 @@ class StaticDecode:
                  max_new_tokens: int, *, capture: bool, routing: RouterTape | None = None) -> None:
         from transformers.cache_utils import Cache, StaticLayer
 
-        self.model, self.cache_kw, self.capture, self.routing = model, cache_kw, capture, routing
+        self.model, self.cache_kw, self.routing = model, cache_kw, routing
         batch, width = mask.shape
+        self.static = same_batch_on_every_rank(model, batch, mask.device)
+        """Whether the step runs at static shapes throughout: under expert parallelism only when every rank decodes
+        as many rows (a rank's filler batch of one row keeps the all-to-all and eager steps, on every rank alike)."""
+        self.capture = capture and self.static
         length = width + max_new_tokens
         self.cache = Cache(layers=[StaticLayer(max_cache_len=length) for _ in prefilled.layers])
         for static, grown in zip(self.cache.layers, prefilled.layers):
@@ -76,8 +115,9 @@ class StaticDecode:
         self._routes: list[torch.Tensor] | None = None
 
     def _forward(self) -> torch.Tensor:
-        out = self.model(input_ids=self.token, attention_mask=self.bias, position_ids=self.position, use_cache=True,
-                         **{self.cache_kw: self.cache})
+        with static_shapes() if self.static else contextlib.nullcontext():
+            out = self.model(input_ids=self.token, attention_mask=self.bias, position_ids=self.position, use_cache=True,
+                             **{self.cache_kw: self.cache})
         return out.logits[:, -1, :]
 
     def __call__(self, token: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:

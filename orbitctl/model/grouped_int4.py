@@ -153,6 +153,8 @@ class _GroupedProjection(torch.autograd.Function):
         k = words.shape[-1] * 8
         grad = grad_out.new_zeros(ctx.rows_a, k, dtype=torch.float32)
         for e in torch.unique(experts).tolist():
+            if e >= words.shape[0]:  # a skipped slot (ExpertStack.forward's ``skip``): no expert ran it
+                continue
             slots = torch.nonzero(experts == e).squeeze(-1)
             w = dequantize_int4(words[e], scales[e], k, grad_out.dtype)
             grad.index_add_(0, torch.div(slots, ctx.row_div, rounding_mode="floor"), (grad_out[slots] @ w).float())
@@ -236,13 +238,17 @@ class ExpertStack:
         return sum(t.numel() * t.element_size() for t in (*self.gate_up, *self.down))
 
     def forward(self, hidden: torch.Tensor, local_experts: torch.Tensor, row_div: int, act_fn,
-                lora=None) -> torch.Tensor:
+                lora=None, *, skip: bool = False) -> torch.Tensor:
         """Each slot's expert on its row: ``hidden`` [R, H], ``local_experts`` [S] (0-based among the held experts),
         slot ``s`` reading ``hidden[s // row_div]``. Returns ``[S, H]`` in ``hidden``'s dtype (computed in bf16 where
         ``hidden`` is float32: :attr:`dtype`). ``lora``: a ``shared`` expert adapter (:meth:`ExpertLoRA.bound`), one factor pair per
-        projection for every expert, so its terms are plain matmuls beside the grouped ones."""
+        projection for every expert, so its terms are plain matmuls beside the grouped ones. With ``skip`` a slot of
+        expert ``E`` (one past the held experts) is computed by no block: its result rows are left unset."""
         x = hidden if hidden.dtype in (torch.bfloat16, torch.float16) else hidden.to(self.dtype)
-        rows, block_expert = align_blocks(local_experts, self.gate_up[0].shape[0])
+        held = self.gate_up[0].shape[0]
+        rows, block_expert = align_blocks(local_experts, held + 1 if skip else held)
+        if skip:
+            block_expert = torch.where(block_expert == held, -1, block_expert).to(torch.int32)
         gate_up = _GroupedProjection.apply(x, *self.gate_up, rows, block_expert, local_experts, row_div)
         if lora is not None:
             xa = hidden.to(lora.dtype)

@@ -90,7 +90,14 @@ def layer(model_dir: str) -> dict:
             with Count():
                 moe(x, routing, weights)
             ops[name] = Count.ops - 2 * (launch - 2)  # each launch as one op and its output's, as on a GPU
-    return {"stacked": stacked, "linears_stacked": len(count),
+    with torch.no_grad():  # the static exchange's form: slots of expert E (none held) computed by no block
+        flat = index.reshape(-1)
+        skipped = flat >= moe.num_experts // 2
+        every = moe.stack.forward(x, flat, 2, moe.act_fn)
+        some = moe.stack.forward(x, torch.where(skipped, moe.num_experts, flat), 2, moe.act_fn, skip=True)
+        skip_diff = float((some[~skipped].float() - every[~skipped].float()).abs().max())
+    return {"stacked": stacked, "linears_stacked": len(count), "skip_diff": skip_diff,
+            "skipped_slots": int(skipped.sum()),
             "forward_diff": float((grouped_out - loop_out).abs().max()), "forward_max": float(loop_out.abs().max()),
             "grad_diff": float((grouped_grad - loop_grad).abs().max()), "grad_max": float(loop_grad.abs().max()),
             "ops": ops, "weights_are_views": bool(moe.expert(0).gate_proj.weight_packed.data_ptr()

@@ -66,6 +66,20 @@ def _worker(rank: int, path: str, store: str, out: str) -> None:
         grad_err = max(float((ep_grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)) for n, g in ref_grads.items())
         with torch.no_grad():  # the infer path: the same layer without autograd
             infer_err = float((split(input_ids=ids, use_cache=False).logits - ref_logits).abs().max())
+        # the static exchange (a CUDA graph's decode step): all-gather, the local experts, reduce-scatter
+        from orbitctl.model.graph_decode import static_shapes
+
+        exchanged = []
+        original = ExpertParallelExperts.static_exchange
+        ExpertParallelExperts.static_exchange = lambda self, *a: exchanged.append(1) or original(self, *a)
+        try:
+            with torch.no_grad(), static_shapes():
+                static_err = float((split(input_ids=ids, use_cache=False).logits - ref_logits).abs().max())
+        finally:
+            ExpertParallelExperts.static_exchange = original
+        from orbitctl.model.graph_decode import same_batch_on_every_rank
+
+        uniform = [same_batch_on_every_rank(split, 3, ids.device), same_batch_on_every_rank(split, 3 - 2 * rank, ids.device)]
         # the routed experts' own adapters, shared-outer (factors shared by a layer's experts and factors per
         # expert): a rank's gradients come from the tokens its experts received (zero for the experts it does
         # not hold), so their sum over the ranks is what the whole model's gradients sum to
@@ -83,6 +97,7 @@ def _worker(rank: int, path: str, store: str, out: str) -> None:
         expert_err = max(float((expert_grads[1][n] - g).abs().max() / g.abs().max()) for n, g in expert_grads[0].items())
         Path(out, f"rank{rank}.json").write_text(json.dumps({
             "held": held, "ep_layers": ep_layers, "floor": floor, "logits_err": logits_err, "infer_err": infer_err,
+            "static_err": static_err, "static_exchanges": len(exchanged), "uniform": uniform,
             "grad_rel_err": grad_err, "logit_absmax": float(ref_logits.abs().max()), "grads": len(ref_grads),
             "expert_grads": len(expert_grads[0]), "expert_grad_rel_err": expert_err}))
         dist.barrier()  # both ranks are done with the group before either tears its connections down
@@ -105,6 +120,8 @@ def test_ep2_matches_the_whole_model_within_the_floor(tmp_path, int4_moe):
         tol = 4 * max(r["floor"], 4 * eps * r["logit_absmax"])
         assert r["logits_err"] <= tol, r
         assert r["infer_err"] <= tol, r
+        assert r["static_exchanges"] == 2 and r["static_err"] <= tol, r  # both MoE layers, the same function
+        assert r["uniform"] == [True, False]  # a rank with a filler batch: every rank keeps the all-to-all
         # gradients: the same relative error as the logits', amplified by at most the backward's extra products
         assert r["grad_rel_err"] <= 16 * tol / r["logit_absmax"], r
         assert r["expert_grads"] == 2 * 6  # 2 MoE layers x (A, B) of gate, up and down

@@ -72,6 +72,8 @@ def test_a_stacked_moe_layer_computes_the_loop_with_ops_that_do_not_grow_with_th
     assert got["forward_diff"] <= 2 * FP16_ULP * got["forward_max"], got
     assert got["grad_diff"] <= 4 * FP16_ULP * got["grad_max"], got
     assert got["ops"]["two experts"] == got["ops"]["every expert"], got
+    # the static exchange skips the slots of experts another rank holds; the rest are what the whole layer gives
+    assert got["skipped_slots"] > 0 and got["skip_diff"] == 0.0, got
     arch = arch_from_config(json.loads((int4_moe / "config.json").read_text()))
     gpu = load_profile(ROOT / "profiles" / "tiny-moe-cpu.yaml", ["model.arch=null", f"model.config={int4_moe / 'config.json'}",
                                                                    "hardware.gpu=h100", "quant.kernel=fused"])
