@@ -197,7 +197,7 @@ def _layouts_table(rows):
 def _time_table(timing):
     from rich import box
 
-    from orbitctl.plan.timing import TIME_PHASES
+    from orbitctl.plan.timing import GRAPH_KERNEL_S, TIME_PHASES
 
     eff = timing.efficiency
     table = output.table(f"one RL step, predicted seconds per GPU: {seconds_text(timing.seconds)}, "
@@ -211,9 +211,11 @@ def _time_table(timing):
                       f"{p.tokens_per_s:,.0f}" if p.tokens else "-")
     rule = "compute + HBM + overhead + comm (CPU: one op after another)" if timing.phases["rollout"].synchronous else \
         "max(compute, HBM, overhead) + comm"
+    kernels = timing.phases["rollout"].graph_kernels
+    graphed = f" + {kernels:.3g} kernels replayed from CUDA graphs x {GRAPH_KERNEL_S * 1e6:g} us" if kernels else ""
     table.caption = (f"time = {rule}; catalog peaks x {eff.compute:g} compute, {eff.hbm:g} HBM, "
-                     f"{eff.link:g} links;\noverhead = eager ops x launch time (docs/plan.md, Time per RL step); "
-                     f"each phase's floor (the counts at the bare peaks): --json")
+                     f"{eff.link:g} links;\noverhead = eager ops x launch time{graphed} (docs/plan.md, Time per RL "
+                     f"step); each phase's floor (the counts at the bare peaks): --json")
     return table
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from orbitctl.arch.spec import ArchSpec
 from orbitctl.plan.adapters import AdapterPlan
 from orbitctl.plan.layout import Layout, gather_units
+from orbitctl.plan.ops import decode_graphs, grouped_experts
 from orbitctl.plan.storage import BaseStorage
 from orbitctl.units import DTYPE_BYTES, GiB, MiB, TiB
 
@@ -26,7 +27,7 @@ COMM_TERMS = {
     "zero3_gather_train": "ZeRO-3 all-gathers of the update: forward and backward of each micro-batch "
                           "(+ no-grad log-prob passes)",
     "all_to_all_rollout": "expert-parallel token exchange while decoding: dispatch + combine per MoE layer "
-                          "per forward",
+                          "per forward (graphed decode: all-gather + reduce-scatter)",
     "all_to_all_train": "expert-parallel token exchange of the update: dispatch + combine in the forward, "
                         "the recompute and the backward",
     "adapter_allreduce": "adapter gradient reduction (all-reduce, or ZeRO's reduce-scatter + all-gather)",
@@ -215,7 +216,12 @@ def communication(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout,
     train_passes = shape.micro_batches * (2 + shape.recompute) + shape.no_grad_passes  # forward, recompute, backward
     a2a_train = 2 * per_token * shape.tokens_per_micro_batch * train_passes
     fed = shape.sequences * decode_forwards(profile)  # decode steps feed every sampled token back but a turn's last
-    a2a_rollout = 2 * per_token * (shape.prefill_tokens + fed) if shared_engine else 0.0
+    # a graphed decode step exchanges at static shapes: each token's vector to every other rank and each rank's
+    # partial sums back (all-gather + reduce-scatter), P / k times the all-to-all's k vectors
+    graphed = layout.expert_parallel_on and decode_graphs(profile, moe=arch.is_moe, gathered=rollout_gathers * per_forward > 0,
+                                                          grouped=grouped_experts(profile, adapters))
+    static = layout.expert_parallel / arch.experts_per_token if graphed else 1.0
+    a2a_rollout = 2 * per_token * (shape.prefill_tokens + fed * static) if shared_engine else 0.0
 
     # adapter gradients: stages 0-1 reduce once per optimizer step (all-reduce; stage 1 as reduce-scatter +
     # all-gather of the updated weights), 2-3 reduce-scatter every micro-batch, 2 all-gathers the update

@@ -113,6 +113,30 @@ def experts_fused(fused: bool, grouped: bool, gpu: str) -> bool:
     return fused and (grouped or resolve_gpu(gpu).vendor == "cpu")
 
 
+OPS_GRAPH_STEP = 4
+"""Eager ops around one replayed decode step (orbitctl.model.graph_decode.StaticDecode): the token copied in, the mask
+column opened, the position advanced, the replay."""
+GRAPH_KERNELS_PER_OP = 0.55
+"""Kernels a replayed graph runs per op the same step dispatches eagerly: views, reshapes and empty allocations
+launch nothing (a tiny-MoE decode step on the static cache: 0.54-0.58 of its ops launch a kernel, with either
+kernel and compute dtype)."""
+GRAPH_EAGER_STEPS = 2
+"""Decode steps of a batch that run eagerly before its graph replays: the warm-up and the captured one."""
+
+
+def decode_graphs(profile, *, moe: bool, grouped: bool, gathered: bool) -> bool:
+    """Whether the rollout's decode steps replay a CUDA graph (orbitctl.model.graph_decode): rollout.decode_graphs
+    true or auto, a GPU, orbitctl's own infer path (rollout.engine shared) with a bf16 KV cache, and a step the host
+    never reads a value of: nothing ZeRO-3 gathers while decoding (``gathered``), and on an MoE (``moe``) the routed
+    experts grouped (``grouped``; the per-expert loop reads the routing on the host)."""
+    from orbitctl.profile.gpus import resolve_gpu
+
+    ro = profile.rollout
+    if ro.decode_graphs is False or ro.engine != "shared" or ro.kv_dtype != "bf16":
+        return False
+    return resolve_gpu(profile.hardware.gpu).vendor != "cpu" and not gathered and (grouped or not moe)
+
+
 def grouped_experts(profile, adapters=None) -> bool:
     """Whether the routed experts run as grouped INT4 kernels (orbitctl.model.grouped_int4): the fused kernel on an
     NVIDIA GPU, INT4 experts, no per-expert adapter factors, and experts ZeRO-3 does not partition (expert parallelism,

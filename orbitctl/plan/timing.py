@@ -32,9 +32,9 @@ from orbitctl.arch.spec import EXPERT, ArchSpec
 from orbitctl.plan.comm import (Communication, decode_forwards, decoded_tokens, prefill_rows, prompt_tokens,
                                rollout_batch)
 from orbitctl.plan.layout import Layout
-from orbitctl.plan.ops import (BACKWARD_OPS, OPS_LOSS, OPS_OPTIMIZER, OPS_SAMPLE, activation_bytes_per_token,
-                               adapter_active_params, attention_blocks, experts_fused, fused_int4, grouped_experts,
-                               op_counts)
+from orbitctl.plan.ops import (BACKWARD_OPS, GRAPH_EAGER_STEPS, GRAPH_KERNELS_PER_OP, OPS_GRAPH_STEP, OPS_LOSS,
+                               OPS_OPTIMIZER, OPS_SAMPLE, activation_bytes_per_token, adapter_active_params,
+                               attention_blocks, decode_graphs, experts_fused, fused_int4, grouped_experts, op_counts)
 from orbitctl.plan.storage import BaseStorage
 
 COMPUTE_EFFICIENCY = 0.5
@@ -52,6 +52,11 @@ KERNEL_LAUNCH_S = 5e-6
 """Seconds per eager op on a GPU: one CUDA kernel launch plus PyTorch's dispatch, 4-10 us (NVIDIA: a launch costs
 about 5 us of host time; PyTorch eager overhead, "Making Deep Learning Go Brrrr", He 2022: ~10 us per op); the low
 end is taken. Asynchronous: it overlaps the kernels already queued."""
+GRAPH_KERNEL_S = 2e-6
+"""Seconds per kernel of a replayed CUDA graph: no host launch, the GPU running its nodes back to back. NVIDIA's
+"Getting Started with CUDA Graphs" (Gray, 2019) measures a 2.9 us kernel at 3.4 us per node in a graph against 3.8 us
+stream-launched, ~0.5 us between nodes; a decode step's small kernels (tens of rows) run 1-2 us each. The low end of
+what a replayed kernel costs, whatever it computes; its FLOPs and bytes are the compute and HBM terms."""
 CPU_OP_S = 7e-6
 """Seconds per eager op on the catalog's ``cpu`` entry when nothing is measured (``--measure-time`` measures it):
 the op microbenchmark of orbitctl.rl.steptime (transformers' RMSNorm and MLP modules at hidden 64) on a 2-core
@@ -90,6 +95,8 @@ class Peaks:
     """Seconds per attention work item (sequence x head) of a CPU attention kernel; 0 on a GPU (one launch)."""
     adapter_flops: float = 0.0
     """FLOP/s of the adapters' thin matmuls (tokens x hidden x rank); 0: the same as ``flops``."""
+    graph_kernel_s: float = GRAPH_KERNEL_S
+    """Seconds per kernel of a replayed CUDA graph."""
 
 
 def peaks_of(profile, eff: Efficiency = Efficiency()) -> Peaks:
@@ -122,11 +129,13 @@ class PhaseTime:
     """Attention work items (sequence x head per layer) a CPU attention kernel loops over."""
     adapter_flops: float = 0.0
     """The part of ``flops`` in the adapters' thin matmuls."""
+    graph_kernels: float = 0.0
+    """Kernels replayed from CUDA graphs (the graphed decode steps), each costing ``Peaks.graph_kernel_s``."""
     compute_s: float = 0.0
     memory_s: float = 0.0
     comm_s: float = 0.0
     overhead_s: float = 0.0
-    """ops x seconds per op + attention items x seconds per item."""
+    """ops x seconds per op + attention items x seconds per item + graph kernels x seconds per replayed kernel."""
     synchronous: bool = False
     floor_s: float = 0.0
     """max(FLOPs / peak FLOP/s, bytes / peak HBM, comm bytes / peak links): no run can be faster."""
@@ -165,7 +174,7 @@ def _timed(phase: PhaseTime, peaks: Peaks, eff: Efficiency) -> PhaseTime:
     nic = peaks.nic if phase.inter_bytes else 1.0
     thin = peaks.adapter_flops or peaks.flops
     phase.compute_s = ((phase.flops - phase.adapter_flops) / peaks.flops + phase.adapter_flops / thin) / eff.compute
-    phase.overhead_s = phase.ops * peaks.op_s + phase.items * peaks.block_s
+    phase.overhead_s = phase.ops * peaks.op_s + phase.items * peaks.block_s + phase.graph_kernels * peaks.graph_kernel_s
     phase.synchronous = peaks.synchronous
     phase.memory_s = phase.hbm_bytes / (peaks.hbm * eff.hbm)
     phase.comm_s = (phase.intra_bytes / peaks.link + phase.inter_bytes / nic) / eff.link
@@ -342,18 +351,26 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
         ops=rounds * (ops(rows * prompt) + OPS_SAMPLE), items=rounds * attention_blocks(arch, rows),
         adapter_flops=rounds * 2.0 * lora * rows * prompt),
         peaks, eff)
-    mean_context = prompt + (new + 1) / 2
+    # graphed decode (orbitctl.model.graph_decode): a batch's first steps eager, every later one a replay of its
+    # kernels; attention runs over the static cache's whole length, its unwritten slots masked
+    graphs = decode_graphs(profile, moe=arch.is_moe, grouped=grouped_experts(profile, adapters),
+                           gathered=terms["zero3_gather_rollout"] > 0)
+    eager = min(steps, GRAPH_EAGER_STEPS) if graphs else steps
+    step_ops = ops(batch) + counts.decode_extra
+    context = prompt + new - 1 if graphs else prompt + (new + 1) / 2
     decode = _timed(PhaseTime(
-        flops=rounds * steps * (2.0 * (active + lora) * batch + attention_flops(arch, batch, mean_context, decode=True)),
-        hbm_bytes=rounds * steps * (forward_reads.bytes(batch) + batch * mean_context * kv + batch * act),
+        flops=rounds * steps * (2.0 * (active + lora) * batch + attention_flops(arch, batch, context, decode=True)),
+        hbm_bytes=rounds * steps * (forward_reads.bytes(batch) + batch * context * kv + batch * act),
         intra_bytes=intra * (1 - first), inter_bytes=inter * (1 - first), tokens=shape.decode_tokens * world,
-        ops=rounds * (steps * (ops(batch) + counts.decode_extra) + new * OPS_SAMPLE),
+        ops=rounds * (eager * step_ops + (steps - eager) * OPS_GRAPH_STEP + new * OPS_SAMPLE),
+        graph_kernels=rounds * (steps - eager) * step_ops * GRAPH_KERNELS_PER_OP,
         items=rounds * steps * attention_blocks(arch, batch),
         adapter_flops=rounds * steps * 2.0 * lora * batch),
         peaks, eff)
     rollout = PhaseTime(flops=prefill.flops + decode.flops, hbm_bytes=prefill.hbm_bytes + decode.hbm_bytes,
                         intra_bytes=intra, inter_bytes=inter, tokens=shape.decode_tokens * world,
                         ops=prefill.ops + decode.ops, items=prefill.items + decode.items,
+                        graph_kernels=decode.graph_kernels,
                         adapter_flops=prefill.adapter_flops + decode.adapter_flops)
     _timed(rollout, peaks, eff)  # its floor from the totals; its terms and seconds are the sub-phases' sums
     rollout.compute_s = prefill.compute_s + decode.compute_s

@@ -107,3 +107,41 @@ def test_decode_graphs_true_is_refused_where_it_cannot_apply(sets, needle):
     profile = load_profile(ROOT / "profiles" / "tiny-cpu.yaml", sets)
     found = [u.render() for u in unsupported_for("train", profile) if u.key == "rollout.decode_graphs"]
     assert len(found) == 1 and needle in found[0], found
+
+
+NO_KERNEL = {"empty", "empty_strided", "detach", "alias", "lift_fresh", "_unsafe_view"}
+"""Ops that launch no kernel (besides views): allocations without a fill, autograd's and reshape's aliases."""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_plans_kernels_per_replayed_op_are_what_a_static_step_dispatches(int4_moe, dtype):
+    """plan.ops.GRAPH_KERNELS_PER_OP: of the ops one static decode step of the tiny INT4 MoE dispatches (fused kernel),
+    the share that launches a kernel (not a view, an alias or a bare allocation), within 15%."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import DynamicCache
+
+    from orbitctl.model.frozen_base import load_frozen_base, use_fused_int4
+    from orbitctl.plan.ops import GRAPH_KERNELS_PER_OP
+
+    model = load_frozen_base(int4_moe, compute_dtype=dtype)
+    use_fused_int4(model)
+    counted = {"ops": 0, "kernels": 0}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counted["ops"] += 1
+            counted["kernels"] += not (func.is_view or func._schema.name.split("::")[1] in NO_KERNEL)
+            return func(*args, **(kwargs or {}))
+
+    ids = torch.randint(0, model.config.vocab_size, (16, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        cache = DynamicCache()
+        model(input_ids=ids[:, :8], past_key_values=cache, use_cache=True)
+        step = StaticDecode(model, "past_key_values", cache, mask[:, :8], mask[:, :8].sum(-1, keepdim=True), 2,
+                            capture=False)
+        step(ids[:, 8], torch.ones(16, dtype=torch.bool))
+        with Count():
+            step._forward()
+    share = counted["kernels"] / counted["ops"]
+    assert abs(share - GRAPH_KERNELS_PER_OP) <= 0.15 * GRAPH_KERNELS_PER_OP, counted

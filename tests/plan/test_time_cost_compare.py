@@ -9,7 +9,7 @@ import pytest
 from orbitctl.cli.app import main
 from orbitctl.plan import apply_changes, compare_profile, plan_profile, plan_sweep
 from orbitctl.plan.ops import op_counts
-from orbitctl.plan.timing import KERNEL_LAUNCH_S, Peaks
+from orbitctl.plan.timing import GRAPH_KERNEL_S, KERNEL_LAUNCH_S, Peaks
 from orbitctl.profile import load_profile
 
 
@@ -47,8 +47,38 @@ def test_gpu_launch_overhead_overlaps_the_kernels(repo):
     timing = plan_profile(_profile(repo, "llama-3.1-8b_grpo_qlora-nf4_1x24g"), with_advice=False).timing
     for phase in (timing.phases["policy_update"], *timing.phases["rollout"].parts.values()):
         assert not phase.synchronous
-        assert phase.overhead_s == pytest.approx(phase.ops * KERNEL_LAUNCH_S)  # attention: one launch, no items
+        # attention: one launch, no items; the graphed decode steps' kernels at a replay's cost each
+        assert phase.overhead_s == pytest.approx(phase.ops * KERNEL_LAUNCH_S + phase.graph_kernels * GRAPH_KERNEL_S)
         assert phase.seconds == pytest.approx(max(phase.compute_s, phase.memory_s, phase.overhead_s) + phase.comm_s)
+
+
+def test_graphed_decode_replays_the_eager_steps_kernels_over_the_whole_static_cache(repo):
+    """rollout.decode_graphs: a batch's first two decode steps eager, every later step OPS_GRAPH_STEP eager ops and
+    the step's kernels replayed; attention over the static cache's whole length. The Kimi-K2 profile's step within
+    15 minutes and its rollout within 6, each phase at or above its floor."""
+    from orbitctl.plan import resolve_rollout_batch
+    from orbitctl.plan.comm import decode_forwards, decoded_tokens, step_shape
+    from orbitctl.plan.ops import GRAPH_EAGER_STEPS, GRAPH_KERNELS_PER_OP, OPS_GRAPH_STEP, OPS_SAMPLE
+
+    profile = resolve_rollout_batch(_profile(repo, "kimi-k2_grpo_int4_8xh200"))
+    graphed = plan_profile(profile, with_advice=False).timing
+    eager = plan_profile(apply_changes(profile, {"rollout.decode_graphs": False}), with_advice=False).timing
+    g, e = graphed.phases["rollout"].parts["decode"], eager.phases["rollout"].parts["decode"]
+    rounds, steps, new = step_shape(profile).rollout_rounds, decode_forwards(profile), decoded_tokens(profile)
+    step_ops = (e.ops / rounds - new * OPS_SAMPLE) / steps  # eager: every step's ops, and the sampling
+    assert e.graph_kernels == 0
+    replayed = rounds * (steps - GRAPH_EAGER_STEPS)
+    assert g.graph_kernels == pytest.approx(replayed * step_ops * GRAPH_KERNELS_PER_OP)
+    assert g.ops == pytest.approx(e.ops - replayed * (step_ops - OPS_GRAPH_STEP))
+    assert g.hbm_bytes > e.hbm_bytes and g.flops > e.flops  # the whole static length attended every step
+    assert graphed.phases["rollout"].seconds <= 6 * 60 < eager.phases["rollout"].seconds
+    assert graphed.seconds <= 15 * 60
+    for phase in graphed.phases.values():
+        assert phase.seconds >= phase.floor_s
+    # fp8 KV, a CPU, or an http engine decode eagerly: the same plan as decode_graphs false
+    for change in ({"rollout.kv_dtype": "fp8"}, {"rollout.decode_graphs": "auto", "hardware.gpu": "cpu"}):
+        other = plan_profile(apply_changes(profile, change), with_advice=False).timing
+        assert other.phases["rollout"].parts["decode"].graph_kernels == 0, change
 
 
 def test_op_counts_grow_with_quantization_adapters_and_experts(repo):

@@ -85,7 +85,7 @@ def test_decode_time_is_sublinear_in_batch_until_compute_bound(repo):
     compute-bound."""
     name = "llama-3.1-8b_grpo_qlora-nf4_1x24g"
     rows = []
-    for batch in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048):
+    for batch in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096):
         decode = _decode(repo, name, **{"rollout.batch_size": batch, "rl.prompts_per_step": batch,
                                         "rl.group_size": 2, "memory.seq_len": 1024, "rollout.max_new_tokens": 512})
         rows.append((batch, decode.seconds, decode.bound))
@@ -140,9 +140,10 @@ def test_kimi_rollout_under_zero3_gathers_is_slower_than_under_expert_parallelis
     rows = {row["layout"]: row for row in plan.layouts}
     ep, zero3 = rows["EP 8, dense replicated"], rows["EP 1, dense sharded"]
     assert zero3["rollout_seconds"] > 3 * ep["rollout_seconds"]
-    # eager decoding loops over the experts a batch hits per layer (45 of EP's 48, 105 of all 384): both rollouts are
-    # launch-bound (ops.py); the gathers add hours of interconnect on top
-    assert zero3["bound"]["rollout"] == ep["bound"]["rollout"] == "overhead"
+    # EP's decode replays CUDA graphs over grouped experts: it reads the weights once a step (HBM-bound); ZeRO-3's
+    # gathers keep it eager, its experts looping over the 105 of 384 a batch hits per layer (launch-bound, ops.py),
+    # and add hours of interconnect on top
+    assert ep["bound"]["rollout"] == "HBM" and zero3["bound"]["rollout"] == "overhead"
     gathers = _timing(_profile(repo, "kimi-k2_grpo_int4_8xh200", **zero3["change"]))
     assert gathers.phases["rollout"].comm_s > 3600
     assert ep["fastest"] and sum(r["fastest"] for r in plan.layouts) == 1
