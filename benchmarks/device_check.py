@@ -19,8 +19,10 @@
    (quant.kernel: fused) against the same experts dequantized one by one, greedy decode tokens/s of each, the grouped
    kernel's largest difference from the dequantizing path on one layer, and the tokens/s the time model predicts for
    the same decode (`orbitctl plan`'s rollout decode of a profile of the slice), and CUDA's tinygemm on a random
-   INT4 weight of the slice's width (row independence, difference from the dequantized product). Decoding is eager: no CUDA graph
-   (train has none), so the overhead term is what the prediction is checked on.
+   INT4 weight of the slice's width (row independence, difference from the dequantized product). The grouped decode runs
+   twice: eager, and on the static step replayed from a CUDA graph (rollout.decode_graphs, what train's rollout runs on
+   a GPU), each against the plan's prediction for it (decode_graphs false and auto), with the graphed greedy tokens
+   against the eager ones.
 4. The chunked loss at Kimi-K2's output width (vocabulary 163,840, hidden 7168, 4096 tokens) and
    the activation offload (8 layers, hidden 4096): the peak's fall and the bytes sent to host
    against the plan's logits and boundary terms (benchmarks/memory_mechanics.py).

@@ -79,6 +79,34 @@ def greedy_decode(model, prompt, new: int):
     return time.perf_counter() - start, torch.cat(tokens, 1).tolist()
 
 
+def static_greedy_decode(model, prompt, new: int):
+    """:func:`greedy_decode` on the static step (:class:`~orbitctl.model.graph_decode.StaticDecode`): the prefill through
+    a dynamic cache, then every decode step on the static cache, replayed from a CUDA graph on a GPU (eager on the
+    CPU); returns (seconds, tokens)."""
+    import torch
+    from transformers import DynamicCache
+
+    from orbitctl.model.graph_decode import StaticDecode
+
+    cuda = prompt.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    mask = torch.ones_like(prompt)
+    alive = torch.ones(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+    sync()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        cache = DynamicCache()
+        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+        step = StaticDecode(model, "past_key_values", cache, mask, mask.sum(-1, keepdim=True), new, capture=cuda)
+        tokens = []
+        for _ in range(new):
+            nxt = logits.argmax(-1)
+            tokens.append(nxt[:, None])
+            logits = step(nxt, alive)
+    sync()
+    return time.perf_counter() - start, torch.cat(tokens, 1).tolist()
+
+
 def measured_peaks(threads: int, shape: tuple[int, int, int]):
     """This machine's rates as ``orbitctl plan --measure-time`` measures them (a GEMM of ``shape`` in the CPU's compute
     dtype, a memory copy, one eager op from a model's modules, one attention item) on ``threads`` threads."""
@@ -169,23 +197,37 @@ def decode_rows(model_dir: Path, profile_path: Path, device: str, *, batch: int,
         rows.append(tinygemm_row(model.config.hidden_size))
     prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(device)
-    measured = {}
-    for label in ("grouped" if layers else "fused", "dequantize"):
+    measured, tokens = {}, {}
+    fast = "grouped" if layers else "fused"
+    graphed = "CUDA graphs" if device == "cuda" else "static step"
+    for label in (graphed, fast, "dequantize"):
         if label == "dequantize":
             for m in layers:
                 m.stack = None
             for m in model.modules():
                 if hasattr(m, "kernel_pack"):
                     m.kernel_pack = None
-        greedy_decode(model, prompt, 2)  # warm-up: kernels compiled, the allocator
-        seconds, _ = greedy_decode(model, prompt, new)
+        run = static_greedy_decode if label == graphed else greedy_decode
+        run(model, prompt, 4)  # warm-up: kernels compiled, a graph captured, the allocator
+        seconds, tokens[label] = run(model, prompt, new)
         measured[label] = batch * new / seconds
-    predicted, bound = predicted_decode(profile_path, batch=batch, prompt=prompt_len, new=new, kernel="fused")
-    fast = "grouped" if layers else "fused"
-    rows.append(("decode tokens/s", f"{fast} {measured[fast]:.0f}, dequantize {measured['dequantize']:.0f} "
-                                    f"({measured[fast] / measured['dequantize']:.2f}x); the plan predicts {predicted:.0f} "
-                                    f"({bound}-bound)",
-                 f"measured/predicted {measured[fast] / predicted:.2f}" if predicted else "no prediction"))
+    same = sum(a == b for x, y in zip(tokens[graphed], tokens[fast]) for a, b in zip(x, y))
+    rows.append((f"{graphed} greedy tokens", f"{same}/{batch * new} equal to the eager decode's",
+                 "ok" if same >= 0.9 * batch * new else "FAIL"))
+    eager, eager_bound = predicted_decode(profile_path, batch=batch, prompt=prompt_len, new=new, kernel="fused",
+                                          overrides=("rollout.decode_graphs=false",))
+    rows.append(("decode tokens/s, eager", f"{fast} {measured[fast]:.0f}, dequantize {measured['dequantize']:.0f} "
+                                           f"({measured[fast] / measured['dequantize']:.2f}x); the plan predicts "
+                                           f"{eager:.0f} ({eager_bound}-bound)",
+                 f"measured/predicted {measured[fast] / eager:.2f}" if eager else "no prediction"))
+    if device == "cuda":  # the plan's graphed decode applies on a GPU only
+        replayed, bound = predicted_decode(profile_path, batch=batch, prompt=prompt_len, new=new, kernel="fused")
+        rows.append(("decode tokens/s, CUDA graphs", f"{measured[graphed]:.0f} ({measured[graphed] / measured[fast]:.2f}x "
+                                                     f"eager); the plan predicts {replayed:.0f} ({bound}-bound)",
+                     f"measured/predicted {measured[graphed] / replayed:.2f}" if replayed else "no prediction"))
+    else:
+        rows.append(("decode tokens/s, static step", f"{measured[graphed]:.0f} eager on the CPU (the code path of the "
+                                                     "CUDA graph; no replay here)", "ok"))
     return rows
 
 

@@ -142,7 +142,17 @@ def load_policy(profile, base: PreparedBase, device: str | None = None):
                   gradient_checkpointing=profile.memory.gradient_checkpointing,
                   lockstep=Lockstep() if experts is not None else None, chat_template=profile.data.chat_template,
                   kv_dtype=profile.rollout.kv_dtype, router_replay=profile.rl.router_replay,
-                  system_prompt=profile.data.system_prompt, decode_graphs=profile.rollout.decode_graphs)
+                  system_prompt=profile.data.system_prompt, decode_graphs=decode_graphs(profile, device))
+
+
+def decode_graphs(profile, device: str) -> bool:
+    """Whether the infer path on ``device`` decodes from CUDA graphs: rollout.decode_graphs, ``auto`` resolved by the
+    plan (:func:`orbitctl.plan.resolve_decode_graphs`: graphs where it predicts them faster); never off a GPU."""
+    if not str(device).startswith("cuda"):
+        return False
+    from orbitctl.plan import resolve_decode_graphs
+
+    return resolve_decode_graphs(profile).rollout.decode_graphs is True
 
 
 def expert_group(profile):

@@ -106,6 +106,8 @@ def _show_dry_run(report) -> None:
                  f"{gib(m['int4_kernel_pack_bytes'])} GiB kernel packs" if m["int4_kernel_pack_bytes"] else "")
     ro = report.rollout
     mech.add_row("rollout.kv_dtype", ro["kv_dtype"], "")
+    mech.add_row("rollout.decode_graphs", "CUDA graphs" if ro["decode_graphs"] else "eager",
+                 "static KV cache, each decode step a graph replay" if ro["decode_graphs"] else "")
     output.show(mech)
     output.show("DeepSpeed config:")
     output.emit_json(report.deepspeed_config)

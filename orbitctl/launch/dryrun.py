@@ -62,14 +62,14 @@ def dry_run(profile, *, snapshot=None) -> DryRun:
     """The run ``profile`` describes, worked out without running it. Raises UserError (exit 2) for what train
     itself would refuse before starting (an unsupported value, a batch that does not split over the ranks).
     ``snapshot`` (a doctor Snapshot) is the machine to check against; probed now when not given."""
-    from orbitctl.plan import _arch, plan_profile, resolve_rollout_batch
+    from orbitctl.plan import _arch, plan_profile, resolve_decode_graphs, resolve_rollout_batch
     from orbitctl.plan.layout import layout_of, owned_experts
     from orbitctl.rl.api import refuse_before_launch
     from orbitctl.rl.engine import deepspeed_config
     from orbitctl.rl.trainer import _accumulation, accumulation_warnings
 
     refuse_before_launch(profile)
-    profile = resolve_rollout_batch(profile)
+    profile = resolve_decode_graphs(resolve_rollout_batch(profile))
     hw, mem, rl = profile.hardware, profile.memory, profile.rl
     world = profile.world_size
     gas = _accumulation(profile, world)
@@ -109,6 +109,7 @@ def dry_run(profile, *, snapshot=None) -> DryRun:
         memory=_memory_mechanics(profile, plan),
         rollout={"engine": profile.rollout.engine, "batch_size": profile.rollout_batch_size,
                  "max_new_tokens": profile.rollout.max_new_tokens, "kv_dtype": profile.rollout.kv_dtype,
+                 "decode_graphs": bool(plan.timing.phases["rollout"].graph_kernels),
                  "compute_dtype": _adapter_dtype(profile, run_device, profile.quant.compute_dtype),
                  "adapter_dtype": _adapter_dtype(profile, run_device)},
         plan=_plan_summary(plan), machine_check=_machine_check(profile, snapshot), notes=notes)

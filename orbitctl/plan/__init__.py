@@ -109,6 +109,30 @@ def resolve_rollout_batch(profile, *, gpu_memory_bytes: int | None = None):
     return apply_changes(profile, {"rollout.batch_size": auto_rollout_batch(profile, gpu_memory_bytes=gpu_memory_bytes)})
 
 
+def graphed_rollout_seconds(profile, *, gpu_memory_bytes: int | None = None) -> tuple[float, float]:
+    """The rollout seconds the plan predicts for ``profile`` (its batch resolved) with the decode replayed from CUDA
+    graphs and eager: ``(graphed, eager)``, equal where graphs do not apply (a CPU, fp8 KV, an engine)."""
+    arch = _arch(profile)
+    seconds = []
+    for graphs in (True, False):
+        other = apply_changes(profile, {"rollout.decode_graphs": graphs})
+        seconds.append(evaluate(other, prepare(other, arch), gpu_memory_bytes=gpu_memory_bytes)
+                       .timing.phases["rollout"].seconds)
+    return seconds[0], seconds[1]
+
+
+def resolve_decode_graphs(profile, *, gpu_memory_bytes: int | None = None):
+    """``profile`` with ``rollout.decode_graphs: auto`` replaced by true where the plan predicts the graphed rollout
+    faster than the eager one, else false (the profile itself otherwise): graphs save launches and attend over the
+    static cache's whole length, so a decode already bound by HBM at short contexts can be faster eager. What train,
+    eval and the plan decode with."""
+    if profile.rollout.decode_graphs != "auto":
+        return profile
+    graphed, eager = graphed_rollout_seconds(resolve_rollout_batch(profile, gpu_memory_bytes=gpu_memory_bytes),
+                                             gpu_memory_bytes=gpu_memory_bytes)
+    return apply_changes(profile, {"rollout.decode_graphs": graphed < eager})
+
+
 def plan_profile(profile, *, gpu_memory_bytes: int | None = None, with_advice: bool = True) -> MemoryPlan:
     """Plan a validated Profile; ``gpu_memory_bytes`` overrides the per-GPU capacity (e.g. free memory now).
 
@@ -116,7 +140,11 @@ def plan_profile(profile, *, gpu_memory_bytes: int | None = None, with_advice: b
     by the bytes one RL step sends: ``plan.layouts``. ``rollout.batch_size: auto`` is planned at the number it
     resolves to (:func:`resolve_rollout_batch`)."""
     auto = profile.rollout.batch_size == "auto"
+    graphs_auto = profile.rollout.decode_graphs == "auto"
     profile = resolve_rollout_batch(profile, gpu_memory_bytes=gpu_memory_bytes)
+    if graphs_auto:
+        graphed, eager = graphed_rollout_seconds(profile, gpu_memory_bytes=gpu_memory_bytes)
+        profile = apply_changes(profile, {"rollout.decode_graphs": graphed < eager})
     arch = _arch(profile)
     plan = _searched(profile, prepare(profile, arch), gpu_memory_bytes)
     if auto:
@@ -124,6 +152,10 @@ def plan_profile(profile, *, gpu_memory_bytes: int | None = None, with_advice: b
         plan.details["rollout_batch_size_auto"] = seqs
         plan.notes.append(f"rollout.batch_size auto: {seqs} sequences decoded at once per GPU (the most the rollout "
                           f"phase fits, at most the step's {completions_per_gpu(profile)})")
+    if graphs_auto and graphed != eager:
+        plan.details["decode_graphs_auto"] = graphed < eager
+        plan.notes.append(f"rollout.decode_graphs auto: {'CUDA graphs' if graphed < eager else 'eager decode'} (rollout "
+                          f"{seconds_text(graphed)} with graphs, {seconds_text(eager)} eager)")
     if with_advice:
         def replan(change: dict[str, Any], search: bool = False) -> MemoryPlan | None:
             try:

@@ -169,3 +169,20 @@ def test_sweep_rows_carry_gpu_hours_and_cost(repo, capsys):
                  "memory.micro_batch_size=2,4"]) == 0
     out = capsys.readouterr().out
     assert "step" in out and "GPU-h" in out
+
+
+@pytest.mark.parametrize("name, graphs", [("kimi-k2_grpo_int4_8xh200", True),  # launch-bound eager: graphs win
+                                          ("llama-3.1-8b_grpo_qlora-nf4_1x24g", False),  # HBM-bound eager already
+                                          ("tiny-cpu", False)])  # a CPU decodes eagerly
+def test_decode_graphs_auto_takes_the_faster_rollout_the_plan_predicts(repo, name, graphs):
+    from orbitctl.plan import graphed_rollout_seconds, resolve_decode_graphs, resolve_rollout_batch
+
+    profile = _profile(repo, name)
+    assert profile.rollout.decode_graphs == "auto"
+    resolved = resolve_decode_graphs(profile)
+    assert resolved.rollout.decode_graphs is graphs
+    graphed, eager = graphed_rollout_seconds(resolve_rollout_batch(profile))
+    assert (graphed < eager) is graphs and (graphed == eager) is (name == "tiny-cpu")
+    plan = plan_profile(profile, with_advice=False)
+    assert plan.timing.phases["rollout"].seconds == pytest.approx(min(graphed, eager))
+    assert resolve_decode_graphs(apply_changes(profile, {"rollout.decode_graphs": False})).rollout.decode_graphs is False
