@@ -1,22 +1,27 @@
-"""Decode speed of a generated INT4 MoE: the fused INT4 kernel against dequantize-then-matmul, and against
+"""Decode speed of a generated INT4 MoE over one RL step's sequences: the fused INT4 kernel against
+dequantize-then-matmul, a fixed batch against the batch ``rollout.batch_size: auto`` sizes by memory, and
 another checkout of the code (the code before a change), each run in a fresh process.
 
-    .venv/bin/python benchmarks/moe_decode.py                                  # this checkout, both kernels
+    .venv/bin/python benchmarks/moe_decode.py                                  # this checkout's sides
     .venv/bin/python benchmarks/moe_decode.py --baseline /tmp/orbitctl-before  # and that checkout's code
     .venv/bin/python benchmarks/moe_decode.py --experts 64 --top-k 8 --reps 5 --json
 
 The model is written once by :func:`orbitctl.model.synthetic.write_int4_moe` (a DeepSeek-V3-type MoE:
 MLA attention, a dense first layer, ``--experts`` routed INT4 experts of which each token uses
 ``--top-k``, one shared expert; seeded random weights), and loaded by ``load_frozen_base`` in the
-compute dtype ``auto`` gives on this CPU. Each side decodes ``--batch`` sequences of ``--prompt``
+compute dtype ``auto`` gives on this CPU. Each side decodes the step's ``--sequences`` sequences of ``--prompt``
 random prompt tokens for ``--new`` tokens with transformers' dynamic KV cache (greedy, no EOS: every
-completion is full length), after one warm-up decode in the same process. Reported: completion tokens
-per second, median and range over ``--reps`` rounds, the sides alternating within a round, and whether
-each side's greedy tokens equal the dequantizing side's (the fused kernel rounds activations to bf16,
-so a few tokens may differ on a random model whose logits are nearly tied), and for this checkout's sides the
-tokens/s ``orbitctl plan``'s time model predicts for the same sampling at this machine's rates, measured as
-``plan --measure-time`` measures them (a profile of the model on one CPU rank with that kernel; one adapted
-linear, since the benchmark decodes the bare base).
+completion is full length), so many at a time: ``--batch`` (16, what the profiles decode at without
+``rollout.batch_size``: micro-batch x group), or the number ``auto`` gives for a profile of this model on one CPU
+rank (the plan's: the most the rollout phase fits, at most the step's sequences). The baseline checkout has no
+``auto``; it runs at ``--batch`` and, for comparison, at the same batch ``auto`` gives. One warm-up decode precedes
+the measured ones in each process. Reported: completion tokens per second over the step, median and range over
+``--reps`` rounds, the sides alternating within a round, and whether each side's greedy tokens equal the
+dequantizing side's (the fused kernel rounds activations to bf16, so a few tokens may differ on a random model
+whose logits are nearly tied), and for this checkout's sides the tokens/s ``orbitctl plan``'s time model
+predicts for the same sampling at this machine's rates, measured as ``plan --measure-time`` measures them (a
+profile of the model on one CPU rank with that kernel; one adapted linear, since the benchmark decodes the bare
+base).
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ ROOT = HERE.parent
 
 
 def decode(args) -> None:
-    """The child: load the model with ``args.kernel`` and print one JSON line of its measured decode."""
+    """The child: load the model with ``args.kernel``, decode ``args.sequences`` prompts ``args.batch`` at a time, and
+    print one JSON line of the measured decode."""
     import torch
 
     from orbitctl.model.cpu_dtype import torch_dtype
@@ -50,11 +56,15 @@ def decode(args) -> None:
 
         packs = use_fused_int4(model)
     vocab = model.config.vocab_size
-    prompt = torch.randint(0, vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
+    prompts = torch.randint(0, vocab, (args.sequences, args.prompt), generator=torch.Generator().manual_seed(0))
 
-    greedy_decode(model, prompt, args.new)  # warm-up: oneDNN kernels, the allocator
-    seconds, tokens = greedy_decode(model, prompt, args.new)
-    print(json.dumps({"tokens_per_s": args.batch * args.new / seconds, "seconds": seconds, "tokens": tokens,
+    greedy_decode(model, prompts[:args.batch], args.new)  # warm-up: oneDNN kernels, the allocator
+    seconds, tokens = 0.0, []
+    for start in range(0, args.sequences, args.batch):
+        took, got = greedy_decode(model, prompts[start:start + args.batch], args.new)
+        seconds += took
+        tokens += got
+    print(json.dumps({"tokens_per_s": args.sequences * args.new / seconds, "seconds": seconds, "tokens": tokens,
                       "pack_bytes": packs, "dtype": str(next(model.parameters()).dtype)}))
 
 
@@ -231,15 +241,27 @@ def decode_rows(model_dir: Path, profile_path: Path, device: str, *, batch: int,
     return rows
 
 
-def child(tree: Path, model: Path, kernel: str, args) -> dict:
+def child(tree: Path, model: Path, kernel: str, batch: int, args) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", str(model), "--kernel", kernel,
-           "--batch", str(args.batch), "--prompt", str(args.prompt), "--new", str(args.new),
-           "--threads", str(args.threads)]
+           "--batch", str(batch), "--sequences", str(args.sequences), "--prompt", str(args.prompt), "--new",
+           str(args.new), "--threads", str(args.threads)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(tree))
     if done.returncode:
         raise SystemExit(f"{kernel} in {tree} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def auto_batch(profile_path: Path, *, sequences: int, prompt: int, new: int) -> int:
+    """The sequences ``rollout.batch_size: auto`` decodes at once for a step of ``sequences`` (``sequences / 2`` prompts
+    x 2 completions) of ``prompt`` + ``new`` tokens on ``profile_path``'s hardware: the plan's number."""
+    from orbitctl.plan import resolve_rollout_batch
+    from orbitctl.profile import load_profile
+
+    profile = load_profile(str(profile_path), ["rollout.batch_size=auto", f"rollout.max_new_tokens={new}",
+                                               f"memory.seq_len={prompt + new}", f"rl.prompts_per_step={sequences // 2}",
+                                               "rl.group_size=2", "quant.kernel=fused"])
+    return resolve_rollout_batch(profile).rollout_batch_size
 
 
 def main() -> None:
@@ -249,7 +271,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--expert-width", type=int, default=256)
     parser.add_argument("--moe-layers", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--sequences", type=int, default=64, help="the step's sequences, all decoded to full length")
+    parser.add_argument("--batch", type=int, default=16,
+                        help="sequences decoded at once by the fixed-batch sides (the profiles' micro-batch x group)")
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--reps", type=int, default=3)
@@ -267,56 +291,61 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(HERE))
     from orbitctl.model.synthetic import write_int4_moe
+    from phase_memory import profile_file, slice_sets
 
     name = f"moe-e{args.experts}-k{args.top_k}-h{args.hidden}-w{args.expert_width}-l{args.moe_layers}"
     model = args.work / name
     if not (model / "config.json").exists():
         write_int4_moe(model, hidden=args.hidden, experts=args.experts, expert_width=args.expert_width,
                        moe_layers=args.moe_layers, top_k=args.top_k)
-    sides = [("this checkout, dequantize", ROOT, "dequantize"), ("this checkout, fused", ROOT, "fused")]
-    if args.baseline is not None:
-        sides.insert(0, (f"{args.baseline} (dequantize)", args.baseline.resolve(), "dequantize"))
-    runs: dict[str, list[dict]] = {label: [] for label, _, _ in sides}
-    for rep in range(args.reps):
-        for label, tree, kernel in sides:
-            runs[label].append(child(tree, model, kernel, args))
-            print(f"round {rep + 1}: {label}: {runs[label][-1]['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
-    reference = runs["this checkout, dequantize"][0]["tokens"]
-    rows = []
-    for label, _, _ in sides:
-        rates = [r["tokens_per_s"] for r in runs[label]]
-        tokens = runs[label][0]["tokens"]
-        same = sum(a == b for ra, rb in zip(tokens, reference) for a, b in zip(ra, rb))
-        rows.append({"side": label, "median_tokens_per_s": statistics.median(rates), "min": min(rates),
-                     "max": max(rates), "greedy_tokens_equal": f"{same}/{sum(len(r) for r in reference)}",
-                     "dtype": runs[label][0]["dtype"], "pack_bytes": runs[label][0]["pack_bytes"]})
-    base = rows[0]["median_tokens_per_s"]
-    from phase_memory import profile_file, slice_sets
-
     sets = slice_sets(model, args.work / "run", "cpu", 1, args.prompt + args.new, args.new)
     path = profile_file(args.work, {**sets, "name": "moe-decode", "adapter.targets": ["o_proj"],
                                     "adapter.last_layers": 1})  # one adapted linear: the benchmark decodes the base
+    auto = auto_batch(path, sequences=args.sequences, prompt=args.prompt, new=args.new)
+    sides = [("this checkout, dequantize", ROOT, "dequantize", args.batch),
+             ("this checkout, fused", ROOT, "fused", args.batch),
+             ("this checkout, fused, batch auto", ROOT, "fused", auto)]
+    if args.baseline is not None:
+        sides[:0] = [(f"{args.baseline} (dequantize)", args.baseline.resolve(), "dequantize", args.batch),
+                     (f"{args.baseline} (dequantize), batch {auto}", args.baseline.resolve(), "dequantize", auto)]
+    runs: dict[str, list[dict]] = {label: [] for label, *_ in sides}
+    for rep in range(args.reps):
+        for label, tree, kernel, batch in sides:
+            runs[label].append(child(tree, model, kernel, batch, args))
+            print(f"round {rep + 1}: {label}: {runs[label][-1]['tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+    reference = runs["this checkout, dequantize"][0]["tokens"]
+    rows = []
+    for label, _, _, batch in sides:
+        rates = [r["tokens_per_s"] for r in runs[label]]
+        tokens = runs[label][0]["tokens"]
+        same = sum(a == b for ra, rb in zip(tokens, reference) for a, b in zip(ra, rb))
+        rows.append({"side": label, "batch": batch, "median_tokens_per_s": statistics.median(rates), "min": min(rates),
+                     "max": max(rates), "greedy_tokens_equal": f"{same}/{sum(len(r) for r in reference)}",
+                     "dtype": runs[label][0]["dtype"], "pack_bytes": runs[label][0]["pack_bytes"]})
+    base = rows[0]["median_tokens_per_s"]
     peaks = measured_peaks(args.threads, (args.batch, args.hidden, args.expert_width * args.top_k))
-    for row, (_, tree, kernel) in zip(rows, sides):
+    for row, (_, tree, kernel, batch) in zip(rows, sides):
         row["speedup"] = row["median_tokens_per_s"] / base
         row["predicted_tokens_per_s"], row["bound"] = predicted_decode(
-            path, batch=args.batch, prompt=args.prompt, new=args.new, kernel=kernel, peaks=peaks) \
+            path, batch=batch, prompt=args.prompt, new=args.new, kernel=kernel, peaks=peaks) \
             if tree == ROOT else (None, "")
     rates = {"gemm_flops_per_s": peaks.flops, "copy_bytes_per_s": peaks.hbm, "op_s": peaks.op_s}
     setting = {"experts": args.experts, "top_k": args.top_k, "hidden": args.hidden, "expert_width": args.expert_width,
-               "moe_layers": args.moe_layers, "batch": args.batch, "prompt": args.prompt, "new": args.new,
-               "reps": args.reps, "threads": args.threads}
+               "moe_layers": args.moe_layers, "sequences": args.sequences, "batch": args.batch, "batch_auto": auto,
+               "prompt": args.prompt, "new": args.new, "reps": args.reps, "threads": args.threads}
     if args.json:
         print(json.dumps({"setting": setting, "rows": rows, "measured_rates": rates}, indent=1))
         return
-    print(f"INT4 MoE decode: {setting}")
+    print(f"INT4 MoE decode of one step's {args.sequences} sequences: {setting}")
     print(f"the plan at this machine's rates (as plan --measure-time): GEMM {peaks.flops / 1e9:.1f} GFLOP/s, "
           f"copy {peaks.hbm / 1e9:.1f} GB/s, {peaks.op_s * 1e6:.1f} us per eager op")
-    print(f"{'side':<48} {'tokens/s median (range)':>26} {'x':>6} {'greedy = dequantize':>20} {'plan predicts':>22}")
+    print(f"{'side':<52} {'batch':>5} {'tokens/s median (range)':>26} {'x':>6} {'greedy = dequantize':>20} "
+          f"{'plan predicts':>22}")
     for row in rows:
         spread = f"{row['median_tokens_per_s']:.1f} ({row['min']:.1f}-{row['max']:.1f})"
         plan = f"{row['predicted_tokens_per_s']:.1f} ({row['bound']})" if row["predicted_tokens_per_s"] else "-"
-        print(f"{row['side']:<48} {spread:>26} {row['speedup']:>6.2f} {row['greedy_tokens_equal']:>20} {plan:>22}")
+        print(f"{row['side']:<52} {row['batch']:>5} {spread:>26} {row['speedup']:>6.2f} {row['greedy_tokens_equal']:>20} "
+              f"{plan:>22}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@
     .venv/bin/python benchmarks/train_vs_trl.py --setting representative     # 107 M llama, 64-token completions
     .venv/bin/python benchmarks/train_vs_trl.py --setting representative --reps 3 --steps 3 --json
     .venv/bin/python benchmarks/train_vs_trl.py --setting smollm2           # SmolLM2-135M-Instruct, chat template
+    .venv/bin/python benchmarks/train_vs_trl.py --setting representative --orbitctl-set quant.format=int4
+
+With ``--orbitctl-set`` a third side runs orbitctl with those profile overrides (e.g. its own standard 4-bit
+format, INT4 through the fused kernel, against TRL's bitsandbytes NF4), beside orbitctl on the setting's format.
 
 Settings: ``benchmarks/settings.py``. Both trainers load the same NF4 checkpoint, train the same LoRA
 (all linear layers; of the last N with ``adapter.last_layers``, PEFT's ``layers_to_transform``) on the
@@ -63,13 +67,13 @@ def _summary(stamps: list[float], warmup: int, steps: int, samples: int, rollout
             "completion_tokens_per_step": tok / steps, "peak_rss_gib": _peak_rss_gib()}
 
 
-def run_orbitctl(s: settings.Setting, warmup: int, steps: int, work: Path) -> dict:
+def run_orbitctl(s: settings.Setting, warmup: int, steps: int, work: Path, sets: tuple[str, ...] = ()) -> dict:
     from orbitctl.model.cpu_dtype import compute_dtype_name
     from orbitctl.rl.api import train
 
     total = warmup + steps + 1
     profile = s.load((f"run.dir={work / 'run'}", "run.eval_every=100000", "run.save_every=100000",
-                                f"rl.steps={total}"))
+                      f"rl.steps={total}", *sets))
     stamps: list[float] = []
     records: list[dict] = []
 
@@ -172,13 +176,14 @@ def run_trl(s: settings.Setting, warmup: int, steps: int, work: Path) -> dict:
             "compute_dtype": "bf16" if bf16 else "fp32"}
 
 
-def _child(which: str, s: settings.Setting, warmup: int, steps: int, threads: int) -> dict:
+def _child(which: str, s: settings.Setting, warmup: int, steps: int, threads: int, sets: tuple[str, ...]) -> dict:
     import torch
 
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
-        fn = run_orbitctl if which == "orbitctl" else run_trl
-        return fn(s, warmup, steps, Path(tmp))
+        if which == "trl":
+            return run_trl(s, warmup, steps, Path(tmp))
+        return run_orbitctl(s, warmup, steps, Path(tmp), sets if which == "orbitctl+" else ())
 
 
 def _spread(values: list[float]) -> dict:
@@ -195,10 +200,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="measured steps per repetition (demo 20, else 3)")
     parser.add_argument("--warmup", type=int, default=None, help="steps before the measured ones (demo 5, else 1)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each trainer, alternating")
-    parser.add_argument("--which", choices=["both", "orbitctl", "trl"], default="both")
+    parser.add_argument("--which", choices=["both", "orbitctl", "orbitctl+", "trl"], default="both")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "orbitctl-bench",
                         help="where the representative model and prompts are built once")
+    parser.add_argument("--orbitctl-set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="a third side: orbitctl with this profile override (repeatable), e.g. quant.format=int4")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -207,14 +214,17 @@ def main() -> None:
     s = settings.setting(args.setting, args.work)
     profile = s.load()
     if args.child:
-        print("RESULT " + json.dumps(_child(args.which, s, warmup, steps, args.threads)), flush=True)
+        print("RESULT " + json.dumps(_child(args.which, s, warmup, steps, args.threads, tuple(args.sets))), flush=True)
         return
     names = ["orbitctl", "trl"] if args.which == "both" else [args.which]
+    if args.sets and args.which in ("both", "orbitctl"):
+        names.insert(1, "orbitctl+")
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for rep in range(args.reps):
         for name in names:  # alternating, each in its own process: no shared state, a fair peak RSS
             cmd = [sys.executable, __file__, "--child", "--which", name, "--setting", args.setting, "--steps",
-                   str(steps), "--warmup", str(warmup), "--threads", str(args.threads), "--work", str(args.work)]
+                   str(steps), "--warmup", str(warmup), "--threads", str(args.threads), "--work", str(args.work),
+                   *(f"--orbitctl-set={item}" for item in args.sets)]
             out = subprocess.run(cmd, capture_output=True, text=True)
             line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
             if not line:
@@ -226,22 +236,28 @@ def main() -> None:
              for name, rs in runs.items()}
     report = {"setting": args.setting, "steps": steps, "warmup": warmup, "reps": args.reps, "threads": args.threads,
               "samples_per_step": _samples(profile), "max_new_tokens": profile.rollout.max_new_tokens,
-              "cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", "default"), "results": table, "runs": runs}
-    if len(names) == 2:
-        report["orbitctl_over_trl_samples_per_s"] = (table["orbitctl"]["samples_per_s"]["median"]
-                                                     / table["trl"]["samples_per_s"]["median"])
+              "cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", "default"), "orbitctl+_sets": args.sets,
+              "results": table, "runs": runs}
+    if "trl" in table:
+        for name in ("orbitctl", "orbitctl+"):
+            if name in table:
+                report[f"{name}_over_trl_samples_per_s"] = (table[name]["samples_per_s"]["median"]
+                                                            / table["trl"]["samples_per_s"]["median"])
     if args.json:
         print(json.dumps(report, indent=2))
         return
     print(f"setting {args.setting}: {report['samples_per_step']} completions of <= {report['max_new_tokens']} tokens per step, "
           f"{args.reps} reps x {steps} steps after {warmup} warm-up, {args.threads} threads; median (min-max)")
+    if args.sets:
+        print(f"orbitctl+ is orbitctl with {' '.join(args.sets)}; orbitctl and trl run the setting's own format")
     print(f"{'':9} {'samples/s':>22} {'rollout tok/s':>22} {'update tok/s':>22} {'s/step':>20} {'peak RSS GiB':>18}")
     for name, t in table.items():
         cells = [f"{t[k]['median']:.4g} ({t[k]['min']:.4g}-{t[k]['max']:.4g})" for k in
                  ("samples_per_s", "rollout_tokens_per_s", "update_tokens_per_s", "step_s", "peak_rss_gib")]
         print(f"{name:9} " + " ".join(f"{c:>22}" for c in cells) + f"  [{t['compute_dtype']}]")
-    if "orbitctl_over_trl_samples_per_s" in report:
-        print(f"orbitctl / TRL samples/s: {report['orbitctl_over_trl_samples_per_s']:.2f}x")
+    for name in ("orbitctl", "orbitctl+"):
+        if f"{name}_over_trl_samples_per_s" in report:
+            print(f"{name} / TRL samples/s: {report[f'{name}_over_trl_samples_per_s']:.2f}x")
 
 
 if __name__ == "__main__":

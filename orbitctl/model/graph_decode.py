@@ -81,6 +81,18 @@ def same_batch_on_every_rank(model, batch: int, device: torch.device) -> bool:
     return int(extremes[0]) == -int(extremes[1])
 
 
+def sync_free(model) -> bool:
+    """Whether ``model``'s forward can run without reading a value on the host: every routed-expert layer grouped
+    (:class:`~orbitctl.model.grouped_int4.ExpertStack`, with adapters it computes); the per-expert loop reads the
+    routing's counts."""
+    from orbitctl.model.expert_lora import expert_layers
+    from orbitctl.model.grouped_int4 import takes_lora
+
+    return all(getattr(module, "stack", None) is not None
+               and takes_lora(module.expert_lora.bound() if module.expert_lora is not None else None)
+               for _, module in expert_layers(model))
+
+
 class StaticDecode:
     """One batch's decode after its prefill, at static shapes (see the module docstring)."""
 
@@ -93,7 +105,7 @@ class StaticDecode:
         self.static = same_batch_on_every_rank(model, batch, mask.device)
         """Whether the step runs at static shapes throughout: under expert parallelism only when every rank decodes
         as many rows (a rank's filler batch of one row keeps the all-to-all and eager steps, on every rank alike)."""
-        self.capture = capture and self.static
+        self.capture = capture and self.static and sync_free(model)
         length = width + max_new_tokens
         self.cache = Cache(layers=[StaticLayer(max_cache_len=length) for _ in prefilled.layers])
         for static, grown in zip(self.cache.layers, prefilled.layers):
@@ -107,7 +119,7 @@ class StaticDecode:
         self.bias[:, 0, 0, :width].masked_fill_(mask.bool(), 0.0)
         self.token = torch.zeros((batch, 1), dtype=torch.long, device=mask.device)
         self.position = positions.clone()
-        self.slot = width
+        self.slot = self.first_slot = width
         """The cache slot the next fed token is written to (the layers' device-side counters agree)."""
         self.length = length
         self.graph = None
@@ -141,17 +153,34 @@ class StaticDecode:
             torch.cuda.current_stream().wait_stream(side)
             self.logits = logits
         else:
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = self._forward()  # recorded, not run: the replay below runs it
-            if self.routing is not None and self.routing.mode == "record":
-                self._routes = self.routing.pop_last()  # the routing tensors the graph rewrites at each replay
-            self.graph.replay()
-            logits = self.logits
-            self._record_replayed()
+            logits = self._capture_and_replay()
         self.position.add_(1)
         self.slot += 1
         return logits
+
+    def _capture_and_replay(self) -> torch.Tensor:
+        """Capture the step (recorded, not run) and replay it once; where capture fails, warn and decode this batch
+        eagerly on the same static step."""
+        import warnings
+
+        recording = self.routing is not None and self.routing.mode == "record"
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                logits = self._forward()
+        except RuntimeError as exc:
+            warnings.warn(f"CUDA graph capture of the decode step failed ({str(exc).splitlines()[0]}); this batch "
+                          "decodes eagerly (set rollout.decode_graphs: false to skip the attempt)", RuntimeWarning)
+            if recording:  # what the failed capture's hooks appended: each layer keeps the steps that ran
+                self.routing.truncate(self.slot - self.first_slot)
+            self.capture = False
+            return self._forward()
+        self.graph, self.logits = graph, logits
+        if recording:
+            self._routes = self.routing.pop_last()  # the routing tensors the graph rewrites at each replay
+        self.graph.replay()
+        self._record_replayed()
+        return self.logits
 
     def _record_replayed(self) -> None:
         if self._routes is not None:

@@ -103,7 +103,8 @@ def absorbed_decode(module, hidden_states, position_embeddings, attention_mask, 
     q_rot, k_rot = _rope(module, q_rot, k_rot, position_embeddings)
     latent, rope_keys = cache.update(kv_nope, k_rot, module.layer_idx, kwargs=kwargs)  # [B, 1, ctx, .]
     w_uk, w_uv = up_projection(module, cache, latent.dtype)
-    q_lat = torch.matmul(q_pass, w_uk[None])  # [B, H, 1, kv_lora]
+    # per head, batched over the heads: a matmul against w[None] would broadcast (copy) the weight once per sequence
+    q_lat = torch.bmm(q_pass.squeeze(2).transpose(0, 1), w_uk).transpose(0, 1).unsqueeze(2)  # [B, H, 1, kv_lora]
     scores = (torch.matmul(q_lat, latent.transpose(2, 3)) + torch.matmul(q_rot, rope_keys.transpose(2, 3))) \
         * module.scaling
     if attention_mask is not None:
@@ -111,6 +112,6 @@ def absorbed_decode(module, hidden_states, position_embeddings, attention_mask, 
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(latent.dtype)
     out_lat = torch.matmul(probs, latent)  # [B, H, 1, kv_lora]
-    out = torch.matmul(out_lat, w_uv.transpose(1, 2)[None])  # [B, H, 1, d_v]
-    out = out.transpose(1, 2).reshape(batch, 1, -1).contiguous()
+    out = torch.bmm(out_lat.squeeze(2).transpose(0, 1), w_uv.transpose(1, 2))  # [H, B, d_v]
+    out = out.transpose(0, 1).reshape(batch, 1, -1)
     return module.o_proj(out), probs

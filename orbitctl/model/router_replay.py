@@ -129,6 +129,10 @@ class RouterTape:
         each replay rewrites (:class:`~orbitctl.model.graph_decode.StaticDecode` appends their copies)."""
         return [calls.pop() for calls in self._recorded]
 
+    def truncate(self, forwards: int) -> None:
+        """Keep each layer's first ``forwards`` recorded forwards (a failed graph capture's hooks may have run)."""
+        self._recorded = [calls[:forwards] for calls in self._recorded]
+
     def append(self, indices: list[torch.Tensor]) -> None:
         """Record one forward's experts per layer, as the hooks do (a replayed graph runs no hook)."""
         for calls, chosen in zip(self._recorded, indices):

@@ -145,3 +145,26 @@ def test_the_plans_kernels_per_replayed_op_are_what_a_static_step_dispatches(int
             step._forward()
     share = counted["kernels"] / counted["ops"]
     assert abs(share - GRAPH_KERNELS_PER_OP) <= 0.15 * GRAPH_KERNELS_PER_OP, counted
+
+
+def test_only_a_model_whose_experts_run_grouped_is_captured(int4_moe, tmp_path_factory, model_cache):
+    """The per-expert loop reads the routing's counts on the host: a MoE layer without its grouped stack keeps the
+    static step eager (capture off) even on a GPU; a dense model has nothing to read."""
+    from orbitctl.model.frozen_base import load_frozen_base
+    from orbitctl.model.graph_decode import sync_free
+
+    moe = load_frozen_base(int4_moe, compute_dtype=torch.float32)
+    assert not sync_free(moe)
+    policy, _ = _policy("tiny-cpu.yaml", tmp_path_factory)
+    assert sync_free(policy.model)
+
+
+def test_a_failed_captures_routing_is_cut_back_to_the_steps_that_ran():
+    from orbitctl.model.router_replay import RouterTape
+
+    tape = RouterTape.__new__(RouterTape)
+    tape._recorded = [[torch.zeros(2, 2)] * 3, [torch.zeros(2, 2)] * 2]  # one layer's hook ran in the capture
+    tape.truncate(2)
+    assert [len(calls) for calls in tape._recorded] == [2, 2]
+    tape.append([torch.ones(2, 2), torch.ones(2, 2)])
+    assert [len(calls) for calls in tape._recorded] == [3, 3] and tape.pop_last()[0].sum() == 4
