@@ -134,7 +134,7 @@ def _dedupe(items: list[str]) -> list[str]:
 def _format_error(err: dict[str, Any], data: dict[str, Any]) -> str:
     loc = [str(p) for p in err.get("loc", ()) if not str(p).startswith("function-")]
     # pydantic puts union branch names into loc (e.g. 'int', "literal['auto']"); drop them
-    loc = [p for p in loc if not (p in ("int", "constrained-int", "str", "float", "list[str]") or p.startswith(("literal[", "function")))]
+    loc = [p for p in loc if not (p in ("int", "constrained-int", "bool", "str", "float", "list[str]") or p.startswith(("literal[", "function")))]
     key = ".".join(loc)
     kind = err.get("type", "")
     msg = str(err.get("msg", "invalid"))

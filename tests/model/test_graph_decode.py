@@ -168,3 +168,16 @@ def test_a_failed_captures_routing_is_cut_back_to_the_steps_that_ran():
     assert [len(calls) for calls in tape._recorded] == [2, 2]
     tape.append([torch.ones(2, 2), torch.ones(2, 2)])
     assert [len(calls) for calls in tape._recorded] == [3, 3] and tape.pop_last()[0].sum() == 4
+
+
+@pytest.mark.parametrize("value, needles", [("true", ("rollout.decode_graphs", "CPU", "auto or false")),
+                                            ("maybe", ("rollout.decode_graphs", "boolean", "'auto'"))])
+def test_train_refuses_decode_graphs_it_cannot_run_in_one_line(value, needles, tmp_path, one_error_line):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "orbitctl.cli.app", "train", str(ROOT / "profiles" / "tiny-cpu.yaml"),
+                           "--set", f"rollout.decode_graphs={value}", "--dry-run"], capture_output=True, text=True,
+                          cwd=tmp_path)
+    assert done.returncode == 2
+    one_error_line(done.stderr, *needles)
