@@ -114,8 +114,7 @@ class StaticDecode:
             static.values[:, :, :width].copy_(grown.values)
             static.cumulative_length.fill_(width)
         dtype = self.cache.layers[0].keys.dtype
-        self.closed = closed_value(dtype)
-        self.bias = torch.full((batch, 1, 1, length), self.closed, dtype=dtype, device=mask.device)
+        self.bias = torch.full((batch, 1, 1, length), closed_value(dtype), dtype=dtype, device=mask.device)
         self.bias[:, 0, 0, :width].masked_fill_(mask.bool(), 0.0)
         self.token = torch.zeros((batch, 1), dtype=torch.long, device=mask.device)
         self.position = positions.clone()

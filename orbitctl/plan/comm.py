@@ -156,6 +156,9 @@ class Communication:
     shape: StepShape
     link_bytes_per_s: float
     """One direction of the GPU's peer link (the catalog's bidirectional NVLink/PCIe figure / 2); 0 unknown."""
+    decode_graphs: bool = False
+    """The rollout's decode steps replay CUDA graphs (orbitctl.plan.ops.decode_graphs): the exchange at static shapes
+    here, the replayed kernels and the static cache's length in the time model."""
 
     @property
     def total_bytes(self) -> int:
@@ -218,9 +221,9 @@ def communication(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout,
     fed = shape.sequences * decode_forwards(profile)  # decode steps feed every sampled token back but a turn's last
     # a graphed decode step exchanges at static shapes: each token's vector to every other rank and each rank's
     # partial sums back (all-gather + reduce-scatter), P / k times the all-to-all's k vectors
-    graphed = layout.expert_parallel_on and decode_graphs(profile, moe=arch.is_moe, gathered=rollout_gathers * per_forward > 0,
-                                                          grouped=grouped_experts(profile, adapters))
-    static = layout.expert_parallel / arch.experts_per_token if graphed else 1.0
+    graphed = decode_graphs(profile, moe=arch.is_moe, gathered=rollout_gathers * per_forward > 0,
+                            grouped=grouped_experts(profile, adapters))
+    static = layout.expert_parallel / arch.experts_per_token if graphed and layout.expert_parallel_on else 1.0
     a2a_rollout = 2 * per_token * (shape.prefill_tokens + fed * static) if shared_engine else 0.0
 
     # adapter gradients: stages 0-1 reduce once per optimizer step (all-reduce; stage 1 as reduce-scatter +
@@ -237,4 +240,4 @@ def communication(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout,
              "zero3_gather_train": int(per_forward * train_gathers),
              "all_to_all_rollout": int(a2a_rollout), "all_to_all_train": int(a2a_train),
              "adapter_allreduce": int(reduce)}
-    return Communication(layout.name, terms, shape, link_bytes_per_s(profile))
+    return Communication(layout.name, terms, shape, link_bytes_per_s(profile), graphed)

@@ -34,7 +34,7 @@ from orbitctl.plan.comm import (Communication, decode_forwards, decoded_tokens, 
 from orbitctl.plan.layout import Layout
 from orbitctl.plan.ops import (BACKWARD_OPS, GRAPH_EAGER_STEPS, GRAPH_KERNELS_PER_OP, OPS_GRAPH_STEP, OPS_LOSS,
                                OPS_OPTIMIZER, OPS_SAMPLE, activation_bytes_per_token, adapter_active_params,
-                               attention_blocks, decode_graphs, experts_fused, fused_int4, grouped_experts, op_counts)
+                               attention_blocks, experts_fused, fused_int4, grouped_experts, op_counts)
 from orbitctl.plan.storage import BaseStorage
 
 COMPUTE_EFFICIENCY = 0.5
@@ -353,8 +353,7 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
         peaks, eff)
     # graphed decode (orbitctl.model.graph_decode): a batch's first steps eager, every later one a replay of its
     # kernels; attention runs over the static cache's whole length, its unwritten slots masked
-    graphs = decode_graphs(profile, moe=arch.is_moe, grouped=grouped_experts(profile, adapters),
-                           gathered=terms["zero3_gather_rollout"] > 0)
+    graphs = comm.decode_graphs
     eager = min(steps, GRAPH_EAGER_STEPS) if graphs else steps
     step_ops = ops(batch) + counts.decode_extra
     context = prompt + new - 1 if graphs else prompt + (new + 1) / 2
