@@ -117,20 +117,22 @@ def static_greedy_decode(model, prompt, new: int):
     return time.perf_counter() - start, torch.cat(tokens, 1).tolist()
 
 
-def measured_peaks(threads: int, shape: tuple[int, int, int]):
+def measured_peaks(threads: int, shape: tuple[int, int, int], group_size: int = 32):
     """This machine's rates as ``orbitctl plan --measure-time`` measures them (a GEMM of ``shape`` in the CPU's compute
-    dtype, a memory copy, one eager op from a model's modules, one attention item) on ``threads`` threads."""
+    dtype, a memory copy, one eager op from a model's modules, one attention item, the fused INT4 kernel on ``shape``'s
+    weight in groups of ``group_size`` at a few row counts) on ``threads`` threads."""
     import torch
 
     from orbitctl.model.cpu_dtype import torch_dtype
     from orbitctl.plan.measure_time import peaks_of_rates
-    from orbitctl.rl.steptime import machine_rates, overhead_rates
+    from orbitctl.rl.steptime import kernel_rates, machine_rates, overhead_rates
 
     torch.set_num_threads(threads)
     dtype = torch_dtype("auto", "cpu")
     flops, bandwidth = machine_rates(torch, dtype, shape)
     op_s, block_s = overhead_rates(torch, dtype)
-    return peaks_of_rates({"flops_per_s": flops, "bytes_per_s": bandwidth, "op_s": op_s, "attention_block_s": block_s})
+    return peaks_of_rates({"flops_per_s": flops, "bytes_per_s": bandwidth, "op_s": op_s, "attention_block_s": block_s,
+                           "kernel_flops_per_s": kernel_rates(torch, shape, group_size)})
 
 
 def predicted_decode(profile_path: Path, *, batch: int, prompt: int, new: int, kernel: str,

@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/sampler_vs_generate.py                       # the representative setting
     .venv/bin/python benchmarks/sampler_vs_generate.py --setting demo --reps 5 --json
     .venv/bin/python benchmarks/sampler_vs_generate.py --set quant.format=int4 --set quant.kernel=dequantize
+    .venv/bin/python benchmarks/sampler_vs_generate.py --set quant.format=int4 --baseline /tmp/orbitctl-before
 
 The model is the setting's NF4 base with its LoRA attached (fresh: B = 0, computed like a trained one),
 in eval mode, without gradients; the batch is the setting's rollout batch (its first prompts, G copies
@@ -12,6 +13,10 @@ must produce the same tokens (the script says which rows differ, if any); at tem
 the full distribution (orbitctl with its keyed draws, generate with torch's generator), so their tokens
 differ but the work is the same. Reported: completion tokens per second, median and range over
 ``--reps`` alternating runs after one warm-up run of each.
+
+``--baseline DIR`` measures this checkout (with ``--set``) beside another checkout of orbitctl (its own copy of
+this script, the setting as it is there), side by side in one run: each repetition is one fresh process per
+checkout, the two alternating, each a warm-up and one measured run of both samplers.
 """
 
 from __future__ import annotations
@@ -39,8 +44,12 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "orbitctl-bench")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="a profile override on top of the setting's (repeatable), e.g. quant.format=int4")
+    parser.add_argument("--baseline", type=Path, help="another checkout of orbitctl to measure beside this one")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.baseline is not None:
+        side_by_side(args)
+        return
 
     import torch
 
@@ -123,6 +132,47 @@ def main() -> None:
         if "greedy_rows_equal" in entry:
             line += f"; greedy tokens equal in {entry['greedy_rows_equal']}/{rows} rows"
         print(line)
+
+
+def side_by_side(args) -> None:
+    """``--baseline``: alternate fresh processes of this checkout's script and the baseline's, one repetition each."""
+    import os
+    import subprocess
+
+    sides = [("this checkout " + " ".join(args.sets), HERE.parent, [f"--set={s}" for s in args.sets]),
+             (f"{args.baseline}", args.baseline.resolve(), [])]
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in sides}
+    for rep in range(args.reps):
+        for label, tree, extra in sides:
+            command = [sys.executable, str(tree / "benchmarks" / "sampler_vs_generate.py"), "--setting", args.setting,
+                       "--reps", "1", "--threads", str(args.threads), "--work", str(args.work), "--json", *extra]
+            done = subprocess.run(command, capture_output=True, text=True, cwd=tree,
+                                  env={**os.environ, "PYTHONPATH": str(tree)})
+            if done.returncode != 0:
+                sys.exit(f"{label}: {(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+            out = done.stdout
+            runs[label].append(json.loads(out[out.index("{"):]))
+            print(f"rep {rep + 1}/{args.reps} {label}: done", file=sys.stderr)
+    rows = []
+    for label, _, _ in sides:
+        for temperature in ("0.0", "1.0"):
+            for sampler in ("orbitctl", "generate"):
+                rates = [r["temperatures"][temperature][sampler]["tokens_per_s"] for r in runs[label]]
+                rows.append({"side": label, "temperature": float(temperature), "sampler": sampler,
+                             "median_tokens_per_s": statistics.median(rates), "min": min(rates), "max": max(rates),
+                             "greedy_rows_equal": runs[label][-1]["temperatures"][temperature].get("greedy_rows_equal")})
+    base = {(r["temperature"], r["sampler"]): r["median_tokens_per_s"] for r in rows if r["side"] == sides[1][0]}
+    for row in rows:
+        row["vs_baseline"] = row["median_tokens_per_s"] / base[(row["temperature"], row["sampler"])]
+    if args.json:
+        print(json.dumps({"setting": args.setting, "reps": args.reps, "threads": args.threads, "rows": rows}, indent=2))
+        return
+    print(f"setting {args.setting}, {args.reps} alternating fresh processes per side, {args.threads} threads; "
+          "completion tokens/s, median (min-max)")
+    for row in rows:
+        equal = "" if row["greedy_rows_equal"] is None else f"; greedy = generate in {row['greedy_rows_equal']} rows"
+        print(f"{row['side']}: temperature {row['temperature']:g}, {row['sampler']}: {row['median_tokens_per_s']:.4g} "
+              f"({row['min']:.4g}-{row['max']:.4g}), {row['vs_baseline']:.2f}x the baseline's{equal}")
 
 
 if __name__ == "__main__":

@@ -138,16 +138,19 @@ def load_policy(profile, base: PreparedBase, device: str | None = None):
     attach = attach_lora if profile.adapter.kind == "lora" else attach_bottleneck
     model, report = attach(model, profile.adapter, hidden, seed=profile.run.seed)
     report = replace(report, dtypes=cpu_dtype.dtype_summary(profile, device))
+    graphs = decode_graphs(profile, device)
     return Policy(model, tokenizer, report, hidden_size=hidden, adapter_kind=profile.adapter.kind,
                   gradient_checkpointing=profile.memory.gradient_checkpointing,
                   lockstep=Lockstep() if experts is not None else None, chat_template=profile.data.chat_template,
                   kv_dtype=profile.rollout.kv_dtype, router_replay=profile.rl.router_replay,
-                  system_prompt=profile.data.system_prompt, decode_graphs=decode_graphs(profile, device))
+                  system_prompt=profile.data.system_prompt, decode_graphs=graphs,
+                  continuous_batching=profile.rollout.continuous_batching is not False and not graphs)
 
 
 def decode_graphs(profile, device: str) -> bool:
     """Whether the infer path on ``device`` decodes from CUDA graphs: rollout.decode_graphs, ``auto`` resolved by the
-    plan (:func:`orbitctl.plan.resolve_decode_graphs`: graphs where it predicts them faster); never off a GPU."""
+    plan (:func:`orbitctl.plan.resolve_decode_graphs`: graphs where it predicts them faster, never with
+    rollout.continuous_batching true); never off a GPU. Continuous batching runs wherever this is False."""
     if not str(device).startswith("cuda"):
         return False
     from orbitctl.plan import resolve_decode_graphs

@@ -108,6 +108,9 @@ def _show_dry_run(report) -> None:
     mech.add_row("rollout.kv_dtype", ro["kv_dtype"], "")
     mech.add_row("rollout.decode_graphs", "CUDA graphs" if ro["decode_graphs"] else "eager",
                  "static KV cache, each decode step a graph replay" if ro["decode_graphs"] else "")
+    mech.add_row("rollout.continuous_batching", "on" if ro["continuous_batching"] else "off",
+                 f"at most {ro['batch_size']} sequences at once, a finished one's slot refilled"
+                 if ro["continuous_batching"] else "fixed batches")
     output.show(mech)
     output.show("DeepSpeed config:")
     output.emit_json(report.deepspeed_config)

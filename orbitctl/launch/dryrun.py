@@ -110,6 +110,10 @@ def dry_run(profile, *, snapshot=None) -> DryRun:
         rollout={"engine": profile.rollout.engine, "batch_size": profile.rollout_batch_size,
                  "max_new_tokens": profile.rollout.max_new_tokens, "kv_dtype": profile.rollout.kv_dtype,
                  "decode_graphs": bool(plan.timing.phases["rollout"].graph_kernels),
+                 # as the builder resolves it: streamed wherever the decode is eager, on orbitctl's own rollout
+                 "continuous_batching": profile.rollout.continuous_batching is not False
+                 and not plan.timing.phases["rollout"].graph_kernels and profile.rollout.engine == "shared"
+                 and not str(profile.data.train).startswith("env:"),
                  "compute_dtype": _adapter_dtype(profile, run_device, profile.quant.compute_dtype),
                  "adapter_dtype": _adapter_dtype(profile, run_device)},
         plan=_plan_summary(plan), machine_check=_machine_check(profile, snapshot), notes=notes)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
 
 _MASK = (1 << 64) - 1
@@ -70,13 +72,18 @@ class KeyedDraws:
     seed: int
     keys: tuple[int, ...]
 
-    def uniforms(self, step: int) -> "torch.Tensor":
+    def uniforms(self, step: "int | Sequence[int]") -> "torch.Tensor":
+        """Each row's uniform at ``step``, or at its own step (one per key: rows of a continuous batch are at
+        different tokens)."""
         import torch
 
-        return torch.tensor([keyed_uniform(self.seed, k, step) for k in self.keys], dtype=torch.float64)
+        steps = [step] * len(self.keys) if isinstance(step, int) else list(step)
+        return torch.tensor([keyed_uniform(self.seed, k, t) for k, t in zip(self.keys, steps, strict=True)],
+                            dtype=torch.float64)
 
-    def sample(self, probs: "torch.Tensor", step: int) -> "torch.Tensor":
-        """One token per row of ``probs`` [B, V] (rows need not sum to 1): the inverse CDF at this step's uniforms."""
+    def sample(self, probs: "torch.Tensor", step: "int | Sequence[int]") -> "torch.Tensor":
+        """One token per row of ``probs`` [B, V] (rows need not sum to 1): the inverse CDF at this step's uniforms
+        (``step`` one per row: each row's own)."""
         import torch
 
         if probs.shape[0] != len(self.keys):

@@ -224,11 +224,19 @@ class Lockstep:
     def _reduce(self, value: int, op) -> int:
         import torch.distributed as dist
 
-        if not self.active or not dist.is_initialized() or dist.get_world_size(self.group) == 1:
+        if not self.shared:
             return value
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=op, group=self.group)
         return int(t.item())
+
+    @property
+    def shared(self) -> bool:
+        """Whether other ranks take part: each call of the model must be matched on them (a filler where a rank has
+        nothing to run)."""
+        import torch.distributed as dist
+
+        return self.active and dist.is_initialized() and dist.get_world_size(self.group) > 1
 
     def all_done(self, done: bool) -> bool:
         import torch.distributed as dist

@@ -66,19 +66,40 @@ def closed_value(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).min
 
 
+def _expert_group(model):
+    """The :class:`~orbitctl.model.expert_parallel.ExpertGroup` of ``model``'s expert-parallel layers; None without
+    expert parallelism (its ``group`` is None for the whole world)."""
+    from orbitctl.model.expert_parallel import ExpertParallelExperts
+
+    layer = next((m for m in model.modules() if isinstance(m, ExpertParallelExperts)), None)
+    return None if layer is None or layer.ep.size == 1 else layer.ep
+
+
 def same_batch_on_every_rank(model, batch: int, device: torch.device) -> bool:
     """Whether every rank of ``model``'s expert-parallel group decodes ``batch`` rows (True without expert
     parallelism); collective over that group, once per batch."""
     import torch.distributed as dist
 
-    from orbitctl.model.expert_parallel import ExpertParallelExperts
-
-    layer = next((m for m in model.modules() if isinstance(m, ExpertParallelExperts)), None)
-    if layer is None or layer.ep.size == 1:
+    ep = _expert_group(model)
+    if ep is None:
         return True
     extremes = torch.tensor([batch, -batch], dtype=torch.int64, device=device)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=layer.ep.group)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=ep.group)
     return int(extremes[0]) == -int(extremes[1])
+
+
+def every_rank_agrees(model, ok: bool, device: torch.device) -> bool:
+    """Whether ``ok`` holds on every rank of ``model``'s expert-parallel group (``ok`` itself without expert
+    parallelism); collective over that group. A graph capture that failed on one rank only must turn every rank's
+    decode eager, or the ranks that replay would wait in collectives the eager one never joins."""
+    import torch.distributed as dist
+
+    ep = _expert_group(model)
+    if ep is None:
+        return ok
+    flag = torch.tensor([int(ok)], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ep.group)
+    return bool(flag.item())
 
 
 def sync_free(model) -> bool:
@@ -164,13 +185,17 @@ class StaticDecode:
 
         recording = self.routing is not None and self.routing.mode == "record"
         graph = torch.cuda.CUDAGraph()
+        failure = None
         try:
             with torch.cuda.graph(graph):
                 logits = self._forward()
         except RuntimeError as exc:
-            warnings.warn(f"CUDA graph capture of the decode step failed ({str(exc).splitlines()[0]}); this batch "
+            failure = f"CUDA graph capture of the decode step failed ({str(exc).splitlines()[0]})"
+        # a capture records the collectives without running them; whether every rank captured is agreed eagerly
+        if not every_rank_agrees(self.model, failure is None, self.position.device):
+            warnings.warn(f"{failure or 'another expert-parallel rank failed to capture the decode step'}; this batch "
                           "decodes eagerly (set rollout.decode_graphs: false to skip the attempt)", RuntimeWarning)
-            if recording:  # what the failed capture's hooks appended: each layer keeps the steps that ran
+            if recording:  # what the capture's hooks appended: each layer keeps the steps that ran
                 self.routing.truncate(self.slot - self.first_slot)
             self.capture = False
             return self._forward()

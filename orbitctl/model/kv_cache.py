@@ -158,3 +158,27 @@ class Fp8KVCache(Cache):
         """(float8 payload bytes, float32 scale bytes) over every layer."""
         totals = [layer.stored_bytes() for layer in self.layers]
         return sum(p for p, _ in totals), sum(s for _, s in totals)
+
+
+_ROW_TENSORS = ("keys", "values", "key_scales", "value_scales")
+"""A cache layer's tensors with a row (batch) dimension first and a position dimension second to last."""
+
+
+def _left_pad(t: torch.Tensor, length: int) -> torch.Tensor:
+    missing = length - t.shape[-2]
+    if missing <= 0:
+        return t
+    return torch.cat([t.new_zeros((*t.shape[:-2], missing, t.shape[-1])), t], dim=-2)
+
+
+def append_rows(cache: Cache, other: Cache) -> None:
+    """Append ``other``'s rows to ``cache``, layer by layer (two caches of one model, either kind this module makes):
+    the shorter one's positions left-padded with zeros to the longer's length, positions its attention mask must
+    keep closed (:meth:`~orbitctl.model.policy.Policy.sample_stream` admits a prefilled row into a running batch so)."""
+    for mine, theirs in zip(cache.layers, other.layers):
+        for name in _ROW_TENSORS:
+            a, b = getattr(mine, name, None), getattr(theirs, name, None)
+            if a is None or b is None:
+                continue
+            length = max(a.shape[-2], b.shape[-2])
+            setattr(mine, name, torch.cat([_left_pad(a, length), _left_pad(b, length)], dim=0))

@@ -77,13 +77,27 @@ def _top_p_filter(logits, top_p: float):
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+def _drawn(scaled, *, temperature: float, top_p: float, generator, draws, step):
+    """Each row's next token from its scaled logits [B, V]: its keyed draw at ``step`` (an int, or one per row), else
+    the generator's draw, greedy at temperature 0."""
+    import torch
+
+    if temperature > 0 and draws is not None:
+        return draws.sample(torch.softmax(_top_p_filter(scaled, top_p), dim=-1), step)
+    if temperature > 0:
+        probs = torch.softmax(_top_p_filter(scaled, top_p), dim=-1)
+        # drawn on the CPU generator wherever the model runs: one seed, one sequence of draws
+        return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(scaled.device)
+    return scaled.argmax(-1)
+
+
 class Policy:
     """Frozen base + adapters; ``model`` is a PeftModel (LoRA) or the base with bottleneck layers."""
 
     def __init__(self, model, tokenizer, report: AdapterReport, *, hidden_size: int, adapter_kind: str,
                  gradient_checkpointing: bool = True, lockstep=None, chat_template: bool = False,
                  kv_dtype: str = "bf16", router_replay: bool = False, system_prompt: str | None = None,
-                 decode_graphs: bool | str = "auto") -> None:
+                 decode_graphs: bool | str = "auto", continuous_batching: bool = False) -> None:
         from orbitctl.model.expert_parallel import SOLO
         from orbitctl.model.router_replay import RouterTape
 
@@ -98,6 +112,9 @@ class Policy:
         self.decode_graphs = decode_graphs
         """``rollout.decode_graphs``: on a CUDA GPU each decode step after the first two replays a CUDA graph over a
         static KV cache (:mod:`orbitctl.model.graph_decode`); false decodes eagerly everywhere."""
+        self.continuous_batching = continuous_batching
+        """``rollout.continuous_batching`` resolved: the rollout samples a step's rows with :meth:`sample_stream`, a
+        finished row's slot going to a waiting one, instead of in fixed chunks (:meth:`sample`)."""
         self.lockstep = lockstep or SOLO
         self.routing = RouterTape.attach(model)
         """The MoE routers' tape (:mod:`orbitctl.model.router_replay`): the infer path records each sampled token's
@@ -201,27 +218,9 @@ class Policy:
         with torch.no_grad():
             mask = prompt_mask.clone()
             fresh = new_kv_cache(kv_dtype or self.kv_dtype)  # None: the model starts its own
+            out, cache, logits, prompt_routes = self._prefill(prompt_ids, mask, fresh, keep_hidden=keep_hidden)
             if self.routing is not None:
-                self.routing.record()  # the prompt's routing: an engine returns it; the train path routes it itself
-            # a prompt that several rows share (a GRPO group) is prefilled once; its cache is then copied to each row
-            unique, rows = shared_prompts(prompt_ids, mask)
-            once = unique is not None
-            out = self.model(input_ids=prompt_ids[unique] if once else prompt_ids,
-                             attention_mask=mask[unique] if once else mask,
-                             position_ids=position_ids_for(mask[unique] if once else mask),
-                             use_cache=True, output_hidden_states=keep_hidden, **self._last_logits(1),
-                             **({} if fresh is None else {self._cache_kw: fresh}))
-            prompt_routes = None
-            if self.routing is not None:
-                prompt_routes = self.routing.take_prompt(mask[unique] if once else mask)
-                prompt_routes = prompt_routes[rows.cpu()] if once else prompt_routes
                 self.routing.record()  # decode step t feeds token t-1: its experts are that token's
-            cache, logits = getattr(out, self._cache_kw), out.logits[:, -1, :]
-            if once:
-                cache.reorder_cache(rows)  # every layer's keys and values, one copy per row
-                logits = logits[rows]
-                if keep_hidden:
-                    out.hidden_states = tuple(h[rows] for h in out.hidden_states)
             next_pos = mask.sum(-1, keepdim=True)
             kv = kv_dtype or self.kv_dtype
             if static is None:
@@ -241,16 +240,8 @@ class Policy:
                 if keep_hidden:
                     hidden.append(torch.stack([h[:, -1, :].float() for h in out.hidden_states], dim=1))
                 logdist = torch.log_softmax(scaled, dim=-1)
-                if forced is not None:
-                    token = forced_ids[:, step]
-                elif temperature > 0 and draws is not None:
-                    token = draws.sample(torch.softmax(_top_p_filter(scaled, top_p), dim=-1), step)
-                elif temperature > 0:
-                    probs = torch.softmax(_top_p_filter(scaled, top_p), dim=-1)
-                    # drawn on the CPU generator wherever the model runs: one seed, one sequence of draws
-                    token = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
-                else:
-                    token = scaled.argmax(-1)
+                token = forced_ids[:, step] if forced is not None else _drawn(
+                    scaled, temperature=temperature, top_p=top_p, generator=generator, draws=draws, step=step)
                 alive = forced_mask[:, step].bool() if forced is not None else ~finished
                 token = torch.where(alive, token, torch.full_like(token, self.pad_id))
                 tokens.append(token)
@@ -283,6 +274,147 @@ class Policy:
             self.routing.off()
         return Samples(prompt_ids.cpu(), prompt_mask.cpu(), host(tokens), kept, host(logps), host(dists),
                        host(raw), host(hidden), routes, prompt_routes)
+
+    def _prefill(self, prompt_ids, mask, fresh, *, keep_hidden: bool = False):
+        """One forward over left-padded prompts: ``(output, cache, last logits [B, V], prompt routes [B, P, L, k] or
+        None)``. A prompt that several rows share (a GRPO group) is prefilled once; its cache is then copied to each
+        row. ``fresh``: the cache to fill (None: the model's own)."""
+        if self.routing is not None:
+            self.routing.record()  # the prompt's routing: an engine returns it; the train path routes it itself
+        unique, rows = shared_prompts(prompt_ids, mask)
+        once = unique is not None
+        out = self.model(input_ids=prompt_ids[unique] if once else prompt_ids,
+                         attention_mask=mask[unique] if once else mask,
+                         position_ids=position_ids_for(mask[unique] if once else mask),
+                         use_cache=True, output_hidden_states=keep_hidden, **self._last_logits(1),
+                         **({} if fresh is None else {self._cache_kw: fresh}))
+        prompt_routes = None
+        if self.routing is not None:
+            prompt_routes = self.routing.take_prompt(mask[unique] if once else mask)
+            prompt_routes = prompt_routes[rows.cpu()] if once else prompt_routes
+        cache, logits = getattr(out, self._cache_kw), out.logits[:, -1, :]
+        if once:
+            cache.reorder_cache(rows)  # every layer's keys and values, one copy per row
+            logits = logits[rows]
+            if keep_hidden:
+                out.hidden_states = tuple(h[rows] for h in out.hidden_states)
+        return out, cache, logits, prompt_routes
+
+    def sample_stream(self, prompt_ids, prompt_mask, *, slots: int, max_new_tokens: int, temperature: float,
+                      top_p: float, generator, keep_dist: bool = False, keep_logits: bool = False, forced=None,
+                      draws=None, kv_dtype: str | None = None) -> Samples:
+        """:meth:`sample` with continuous batching: at most ``slots`` rows decode at once, and the slot of a row that
+        finishes (EOS, its ``max_new_tokens``-th token, the end of its ``forced`` tokens) goes to the next waiting row.
+        Waiting rows are prefilled when slots free up and appended to the running batch: their cache left-padded to the
+        batch's length, the padding masked, their positions their own. With every completion full length this decodes
+        what :meth:`sample` does in chunks of ``slots``; where completions end early it runs fewer decode steps.
+
+        Each row samples as it would alone (as far as the kernels round alike): ``draws`` keys each row, and row
+        ``r``'s token ``t`` takes the draw of step ``t`` whatever step of the batch that is. Eager decode only (a graph
+        replays fixed rows) and no hidden states. Under expert parallelism every rank prefills when any rank admits
+        rows and decodes until every rank is done (a one-token filler forward where it has nothing to run).
+        """
+        import torch
+
+        from orbitctl.model.draws import KeyedDraws
+        from orbitctl.model.kv_cache import append_rows, new_kv_cache
+        from orbitctl.model.router_replay import NOT_RECORDED, ROUTE_DTYPE
+
+        if slots < 1:
+            raise ValueError(f"slots must be at least 1, not {slots}")
+        if forced is not None:
+            forced_ids, forced_mask = (t.cpu() for t in forced)
+            max_new_tokens = forced_ids.shape[1]
+        self.model.eval()
+        device, kv = self.device, kv_dtype or self.kv_dtype
+        total, width = prompt_ids.shape
+        routing = self.routing
+        waiting, active = list(range(total)), []
+        tokens: list[list[int]] = [[] for _ in range(total)]
+        kept: list[list[int]] = [[] for _ in range(total)]
+        logps: list[list[float]] = [[] for _ in range(total)]
+        dists: list[list] = [[] for _ in range(total)]
+        raws: list[list] = [[] for _ in range(total)]
+        fed_routes: list[list] = [[] for _ in range(total)]
+        prompt_routes = None if routing is None else torch.full(
+            (total, width, routing.layers, routing.top_k), NOT_RECORDED, dtype=ROUTE_DTYPE)
+        cache = mask = position = logits = None
+        with torch.no_grad():
+            while True:
+                admit = waiting[:max(0, slots - len(active))]
+                del waiting[:len(admit)]
+                if self.lockstep.rounds(len(admit)):  # any rank admits: every rank prefills (a filler where none)
+                    ids, m = (prompt_ids[admit], prompt_mask[admit]) if admit else self.filler()
+                    ids, m = ids.to(device), m.to(device)
+                    _, new_cache, new_logits, routes = self._prefill(ids, m, new_kv_cache(kv))
+                    if admit:
+                        if routes is not None:
+                            prompt_routes[admit] = routes
+                        if not active:
+                            cache, mask, logits = new_cache, m, new_logits
+                            position = m.sum(-1, keepdim=True)
+                        else:
+                            length = max(mask.shape[1], m.shape[1])
+                            append_rows(cache, new_cache)
+                            mask = torch.cat([_pad_columns(mask, length), _pad_columns(m, length)])
+                            position = torch.cat([position, m.sum(-1, keepdim=True)])
+                            logits = torch.cat([logits, new_logits])
+                        active += admit
+                if self.lockstep.all_done(not active and not waiting):
+                    break
+                if active:
+                    steps = [len(tokens[r]) for r in active]
+                    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
+                    logdist = torch.log_softmax(scaled, dim=-1)
+                    row_draws = KeyedDraws(draws.seed, tuple(draws.keys[r] for r in active)) if draws is not None else None
+                    token = forced_ids[active, steps].to(device) if forced is not None else _drawn(
+                        scaled, temperature=temperature, top_p=top_p, generator=generator, draws=row_draws, step=steps)
+                    alive = forced_mask[active, steps].bool() if forced is not None else torch.ones(len(active), dtype=torch.bool)
+                    token = torch.where(alive.to(device), token, torch.full_like(token, self.pad_id))
+                    logp = logdist.gather(-1, token[:, None]).squeeze(-1).cpu() * alive
+                    chosen = token.cpu().tolist()
+                    host_dist = logdist.cpu() if keep_dist else None
+                    host_raw = scaled.cpu() if keep_logits else None
+                    going = []
+                    for i, (r, t) in enumerate(zip(active, steps)):
+                        tokens[r].append(chosen[i])
+                        kept[r].append(int(alive[i]))
+                        logps[r].append(float(logp[i]))
+                        if keep_dist:
+                            dists[r].append(host_dist[i])
+                        if keep_logits:
+                            raws[r].append(host_raw[i])
+                        ended = t + 1 >= max_new_tokens or (
+                            not forced_mask[r, t + 1:].any() if forced is not None else chosen[i] == self.eos_id)
+                        if not ended:
+                            going.append(i)
+                    if len(going) < len(active):  # finished rows leave the batch: their cache rows, mask, positions
+                        index = torch.tensor(going, dtype=torch.long, device=device)
+                        cache.batch_select_indices(index)
+                        mask, position, token = mask[index], position[index], token[index]
+                        active = [active[i] for i in going]
+                if active:
+                    mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=-1)
+                    if routing is not None:
+                        routing.record()
+                    out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
+                                     use_cache=True, **{self._cache_kw: cache})
+                    cache, logits = getattr(out, self._cache_kw), out.logits[:, -1, :]
+                    position = position + 1
+                    if routing is not None:  # the token each row fed: its experts, per MoE layer
+                        chosen_experts = torch.stack([c.reshape(len(active), routing.top_k)
+                                                      for c in routing.pop_last()], dim=1).cpu()
+                        routing.off()
+                        for i, r in enumerate(active):
+                            fed_routes[r].append(chosen_experts[i])
+                elif self.lockstep.shared:  # the other ranks' decode forward, matched
+                    ids, m = self.filler()
+                    self.model(input_ids=ids.to(device), attention_mask=m.to(device), use_cache=False)
+        if routing is not None:
+            routing.off()
+        return _stream_samples(prompt_ids, prompt_mask, tokens, kept, logps, dists if keep_dist else None,
+                               raws if keep_logits else None, fed_routes if routing is not None else None,
+                               prompt_routes, self.pad_id)
 
     def filler(self):
         """A one-token batch for a rank that has run out of work while others have not (see ``lockstep``)."""
@@ -355,6 +487,48 @@ class Policy:
         with torch.no_grad(), adapters_disabled(self.model):
             return self.completion_logits(prompt_ids, prompt_mask, completion_ids, completion_mask, train=False,
                                           routes=routes)
+
+
+def _pad_columns(mask, length: int):
+    """``mask`` [B, L] left-padded with zeros to ``length`` columns."""
+    import torch
+
+    missing = length - mask.shape[1]
+    return mask if missing <= 0 else torch.cat([mask.new_zeros((mask.shape[0], missing)), mask], dim=1)
+
+
+def _stream_samples(prompt_ids, prompt_mask, tokens, kept, logps, dists, raws, fed_routes, prompt_routes,
+                    pad_id: int) -> Samples:
+    """:class:`Samples` of :meth:`Policy.sample_stream`'s per-row lists, right-padded to the longest row."""
+    import torch
+
+    from orbitctl.model.router_replay import NOT_RECORDED, ROUTE_DTYPE
+
+    total, width = len(tokens), max((len(t) for t in tokens), default=0)
+    ids = torch.full((total, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((total, width), dtype=torch.long)
+    logprobs = torch.zeros((total, width))
+    dist = raw = routes = None
+    if dists is not None or raws is not None:
+        vocab = next((len(v[0]) for v in (dists or raws) if v), 0)
+        dist = torch.zeros((total, width, vocab)) if dists is not None else None
+        raw = torch.zeros((total, width, vocab)) if raws is not None else None
+    if fed_routes is not None:
+        layers, k = prompt_routes.shape[2:]
+        routes = torch.full((total, width, layers, k), NOT_RECORDED, dtype=ROUTE_DTYPE)
+    for r in range(total):
+        n = len(tokens[r])
+        ids[r, :n] = torch.tensor(tokens[r], dtype=torch.long)
+        mask[r, :n] = torch.tensor(kept[r], dtype=torch.long)
+        logprobs[r, :n] = torch.tensor(logps[r])
+        if dist is not None and n:
+            dist[r, :n] = torch.stack(dists[r])
+        if raw is not None and n:
+            raw[r, :n] = torch.stack(raws[r])
+        if routes is not None and fed_routes[r]:
+            fed = torch.stack(fed_routes[r]).to(ROUTE_DTYPE)
+            routes[r, :len(fed)] = fed.masked_fill(~mask[r, :len(fed)].bool()[:, None, None], NOT_RECORDED)
+    return Samples(prompt_ids.cpu(), prompt_mask.cpu(), ids, mask, logprobs, dist, raw, None, routes, prompt_routes)
 
 
 @contextmanager

@@ -125,9 +125,11 @@ def resolve_decode_graphs(profile, *, gpu_memory_bytes: int | None = None):
     """``profile`` with ``rollout.decode_graphs: auto`` replaced by true where the plan predicts the graphed rollout
     faster than the eager one, else false (the profile itself otherwise): graphs save launches and attend over the
     static cache's whole length, so a decode already bound by HBM at short contexts can be faster eager. What train,
-    eval and the plan decode with."""
+    eval and the plan decode with. rollout.continuous_batching true resolves it to false (a graph replays fixed rows)."""
     if profile.rollout.decode_graphs != "auto":
         return profile
+    if profile.rollout.continuous_batching is True:
+        return apply_changes(profile, {"rollout.decode_graphs": False})
     graphed, eager = graphed_rollout_seconds(resolve_rollout_batch(profile, gpu_memory_bytes=gpu_memory_bytes),
                                              gpu_memory_bytes=gpu_memory_bytes)
     return apply_changes(profile, {"rollout.decode_graphs": graphed < eager})
@@ -142,6 +144,8 @@ def plan_profile(profile, *, gpu_memory_bytes: int | None = None, with_advice: b
     auto = profile.rollout.batch_size == "auto"
     graphs_auto = profile.rollout.decode_graphs == "auto"
     profile = resolve_rollout_batch(profile, gpu_memory_bytes=gpu_memory_bytes)
+    if graphs_auto and profile.rollout.continuous_batching is True:  # streamed rows: eager decode
+        profile, graphs_auto = apply_changes(profile, {"rollout.decode_graphs": False}), False
     if graphs_auto:
         graphed, eager = graphed_rollout_seconds(profile, gpu_memory_bytes=gpu_memory_bytes)
         profile = apply_changes(profile, {"rollout.decode_graphs": graphed < eager})

@@ -82,7 +82,9 @@ def _candidates(profile, plan: MemoryPlan, arch) -> list[tuple[dict[str, Any], s
     if ro.engine == "separate":
         out.append(({"rollout.engine": "shared"}, "roll out on the trainer's own weights (no second copy)"))
     if ro.kv_dtype == "bf16" and plan.peak_phase == "rollout":
-        out.append(({"rollout.kv_dtype": "fp8"}, "FP8 KV cache for rollout"))
+        graphs = ro.decode_graphs is not False and ro.engine == "shared" and _nvidia(hw.gpu)
+        out.append(({"rollout.kv_dtype": "fp8"}, "FP8 KV cache for rollout" + (
+            " (its decode runs eagerly: CUDA graphs replay a bf16 cache only)" if graphs else "")))
     if plan.details["routed_expert_adapters"]["via_targets"]:
         out.append(({"adapter.targets": "attention+shared"}, "adapt attention and shared MLPs, not routed experts"))
     if mem.offload_optimizer == "none" and mem.zero_stage >= 1:
@@ -94,6 +96,12 @@ def _candidates(profile, plan: MemoryPlan, arch) -> list[tuple[dict[str, Any], s
     else:
         out.append(({"hardware.nodes": hw.nodes * 2}, f"use {hw.nodes * 2} nodes"))
     return out
+
+
+def _nvidia(gpu: str) -> bool:
+    from orbitctl.profile.gpus import resolve_gpu
+
+    return resolve_gpu(gpu).vendor == "nvidia"
 
 
 def advise(profile, plan: MemoryPlan, arch, replan: Callable[[dict[str, Any]], MemoryPlan | None]) -> list[Advice]:

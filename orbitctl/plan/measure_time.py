@@ -54,11 +54,13 @@ class TimeMeasurement:
 
 def peaks_of_rates(rates: dict) -> Peaks:
     """The Peaks of rates measured on this machine (``flops_per_s``, ``bytes_per_s``, ``op_s``,
-    ``attention_block_s``, optionally ``adapter_flops_per_s``): a CPU rank, one op after another."""
+    ``attention_block_s``, optionally ``adapter_flops_per_s`` and ``kernel_flops_per_s``, the fused INT4 kernel's
+    ``[rows, FLOP/s]`` pairs): a CPU rank, one op after another."""
     bandwidth = rates["bytes_per_s"]
     return Peaks(flops=rates["flops_per_s"], hbm=bandwidth, link=bandwidth, nic=bandwidth, op_s=rates["op_s"],
                  synchronous=True, block_s=rates["attention_block_s"],
-                 adapter_flops=rates.get("adapter_flops_per_s", 0.0))
+                 adapter_flops=rates.get("adapter_flops_per_s", 0.0),
+                 kernel_flops=tuple((int(rows), float(rate)) for rows, rate in rates.get("kernel_flops_per_s", ())))
 
 
 def predict_at(profile, peaks: Peaks) -> StepTime:
@@ -122,7 +124,10 @@ def measure_time(profile) -> TimeMeasurement:
              f"(the update's widest) at {flops / 1e9:.1f} GFLOP/s, the adapters' x{rank} at "
              f"{got['adapter_flops_per_s'] / 1e9:.1f} GFLOP/s, memory copy at {bandwidth / 1e9:.1f} GB/s, "
              f"{got['op_s'] * 1e6:.1f} us per eager op (transformers' modules), "
-             f"{got['attention_block_s'] * 1e6:.1f} us per attention item",
+             f"{got['attention_block_s'] * 1e6:.1f} us per attention item"
+             + ("; the fused INT4 kernel at " + ", ".join(f"{rows} rows {rate / 1e9:.1f}"
+                                                          for rows, rate in got["kernel_flops_per_s"]) + " GFLOP/s"
+                if got.get("kernel_flops_per_s") else ""),
              f"measured: the fastest of steps 2-{got['steps']} (the first, with its warm-up: rollout "
              f"{got['first_rollout_s']:.3f} s, update {got['first_policy_update_s']:.3f} s); "
              "efficiency 1, nothing fitted"]

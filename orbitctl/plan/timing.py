@@ -97,6 +97,26 @@ class Peaks:
     """FLOP/s of the adapters' thin matmuls (tokens x hidden x rank); 0: the same as ``flops``."""
     graph_kernel_s: float = GRAPH_KERNEL_S
     """Seconds per kernel of a replayed CUDA graph."""
+    kernel_flops: tuple[tuple[int, float], ...] = ()
+    """FLOP/s of the fused INT4 kernel (``quant.kernel``) measured at a few row counts, ``(rows, FLOP/s)`` by rows;
+    empty: the same as ``flops`` (the catalog's GPUs). A CPU's kernel runs its own loops, whose rate depends on the
+    rows far more than a GEMM's (a decode step's tens of rows against an update's thousands)."""
+
+    def kernel_rate(self, rows: float) -> float:
+        """The fused kernel's FLOP/s at ``rows`` rows: interpolated in log rows between the measured points, the
+        nearest one's outside them; ``flops`` when none is measured."""
+        import math
+
+        points = self.kernel_flops
+        if not points:
+            return self.flops
+        if rows <= points[0][0]:
+            return points[0][1]
+        for (low, low_rate), (high, high_rate) in zip(points, points[1:]):
+            if rows <= high:
+                share = math.log(rows / low) / math.log(high / low)
+                return math.exp(math.log(low_rate) + share * (math.log(high_rate) - math.log(low_rate)))
+        return points[-1][1]
 
 
 def peaks_of(profile, eff: Efficiency = Efficiency()) -> Peaks:
@@ -131,6 +151,10 @@ class PhaseTime:
     """The part of ``flops`` in the adapters' thin matmuls."""
     graph_kernels: float = 0.0
     """Kernels replayed from CUDA graphs (the graphed decode steps), each costing ``Peaks.graph_kernel_s``."""
+    kernel_flops: float = 0.0
+    """The part of ``flops`` in the fused INT4 kernel (the frozen base's forward matmuls), at ``Peaks.kernel_rate``."""
+    kernel_rows: float = 0.0
+    """Rows of one of those kernel calls (the tokens of one forward)."""
     compute_s: float = 0.0
     memory_s: float = 0.0
     comm_s: float = 0.0
@@ -173,7 +197,9 @@ class PhaseTime:
 def _timed(phase: PhaseTime, peaks: Peaks, eff: Efficiency) -> PhaseTime:
     nic = peaks.nic if phase.inter_bytes else 1.0
     thin = peaks.adapter_flops or peaks.flops
-    phase.compute_s = ((phase.flops - phase.adapter_flops) / peaks.flops + phase.adapter_flops / thin) / eff.compute
+    kernel = peaks.kernel_rate(phase.kernel_rows) if phase.kernel_flops else peaks.flops
+    phase.compute_s = ((phase.flops - phase.adapter_flops - phase.kernel_flops) / peaks.flops
+                       + phase.adapter_flops / thin + phase.kernel_flops / kernel) / eff.compute
     phase.overhead_s = phase.ops * peaks.op_s + phase.items * peaks.block_s + phase.graph_kernels * peaks.graph_kernel_s
     phase.synchronous = peaks.synchronous
     phase.memory_s = phase.hbm_bytes / (peaks.hbm * eff.hbm)
@@ -261,6 +287,9 @@ class WeightReads:
     top_k: int
     group: int
     """Ranks whose tokens reach this GPU's experts: P under expert parallelism, else 1."""
+    kernel_params: float = 0.0
+    """Parameters a token multiplies through the fused INT4 kernel: the INT4 dense weights, and the top-k routed
+    experts' where they run it (0 when the forward dequantizes)."""
 
     def bytes(self, tokens: float) -> float:
         hit = touched_experts(self.num_experts, self.top_k, tokens * self.group) / max(self.num_experts, 1)
@@ -285,9 +314,13 @@ def weight_reads(arch: ArchSpec, storage: BaseStorage, layout: Layout, fused: bo
     expert_deq = expert_copies * per_expert_bf16 if quantized_experts else 0.0
     dense_quantized = storage.quantized_params - (expert_params if quantized_experts else 0)
     dense_deq = copies * 2.0 * max(0, min(dense_quantized, dense_params))
+    kernel_experts = expert_params * arch.experts_per_token / arch.num_experts \
+        if moe and quantized_experts and not expert_copies else 0.0
+    kernel_params = (max(0, min(dense_quantized, dense_params)) + kernel_experts) if fused else 0.0
     return WeightReads(dense=max(dense_stored, 0.0) + dense_deq, per_expert=per_expert_stored + expert_deq,
                        experts_held=layout.experts_per_rank, moe_layers=moe, num_experts=arch.num_experts,
-                       top_k=arch.experts_per_token, group=layout.expert_parallel if layout.expert_parallel_on else 1)
+                       top_k=arch.experts_per_token, group=layout.expert_parallel if layout.expert_parallel_on else 1,
+                       kernel_params=kernel_params)
 
 
 def kv_bytes_per_token(profile, arch: ArchSpec) -> float:
@@ -349,7 +382,8 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
         hbm_bytes=rounds * (forward_reads.bytes(rows * prompt) + rows * prompt * act + batch * prompt * kv),
         intra_bytes=intra * first, inter_bytes=inter * first, tokens=0,
         ops=rounds * (ops(rows * prompt) + OPS_SAMPLE), items=rounds * attention_blocks(arch, rows),
-        adapter_flops=rounds * 2.0 * lora * rows * prompt),
+        adapter_flops=rounds * 2.0 * lora * rows * prompt,
+        kernel_flops=rounds * 2.0 * forward_reads.kernel_params * rows * prompt, kernel_rows=rows * prompt),
         peaks, eff)
     # graphed decode (orbitctl.model.graph_decode): a batch's first steps eager, every later one a replay of its
     # kernels; attention runs over the static cache's whole length, its unwritten slots masked
@@ -364,13 +398,15 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
         ops=rounds * (eager * step_ops + (steps - eager) * OPS_GRAPH_STEP + new * OPS_SAMPLE),
         graph_kernels=rounds * (steps - eager) * step_ops * GRAPH_KERNELS_PER_OP,
         items=rounds * steps * attention_blocks(arch, batch),
-        adapter_flops=rounds * steps * 2.0 * lora * batch),
+        adapter_flops=rounds * steps * 2.0 * lora * batch,
+        kernel_flops=rounds * steps * 2.0 * forward_reads.kernel_params * batch, kernel_rows=batch),
         peaks, eff)
     rollout = PhaseTime(flops=prefill.flops + decode.flops, hbm_bytes=prefill.hbm_bytes + decode.hbm_bytes,
                         intra_bytes=intra, inter_bytes=inter, tokens=shape.decode_tokens * world,
                         ops=prefill.ops + decode.ops, items=prefill.items + decode.items,
                         graph_kernels=decode.graph_kernels,
-                        adapter_flops=prefill.adapter_flops + decode.adapter_flops)
+                        adapter_flops=prefill.adapter_flops + decode.adapter_flops,
+                        kernel_flops=prefill.kernel_flops + decode.kernel_flops, kernel_rows=batch)
     _timed(rollout, peaks, eff)  # its floor from the totals; its terms and seconds are the sub-phases' sums
     rollout.compute_s = prefill.compute_s + decode.compute_s
     rollout.memory_s = prefill.memory_s + decode.memory_s
@@ -403,7 +439,9 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
         + shape.no_grad_passes * fwd_ops + shape.optimizer_steps * OPS_OPTIMIZER * counts.trainable_tensors,
         # the attention backward loops over the same items twice (dq, then dk and dv)
         items=(shape.micro_batches * (1 + reach_layers * (shape.recompute + 2)) + shape.no_grad_passes) * fwd_items,
-        adapter_flops=(shape.micro_batches * (2 + 2 * shape.recompute + 4) + 2 * shape.no_grad_passes) * lora * t),
+        adapter_flops=(shape.micro_batches * (2 + 2 * shape.recompute + 4) + 2 * shape.no_grad_passes) * lora * t,
+        # the forward passes' frozen matmuls run the fused kernel; the backward dequantizes (the GEMM's rate)
+        kernel_flops=forward_passes * 2.0 * forward_reads.kernel_params * t, kernel_rows=t),
         peaks, eff)
 
     # ---- adapter sync: a separate engine receives the whole adapter once per step; the shared one nothing

@@ -349,6 +349,11 @@ class RolloutSection(Section):
     """true/auto: on a CUDA GPU the infer path decodes on a static KV cache and replays each step from a CUDA graph
     (one launch a token instead of one per op; needs kv_dtype bf16); false: eager decode. auto decodes eagerly where
     graphs do not apply (CPU, fp8 KV); true is refused there."""
+    continuous_batching: Union[bool, Literal["auto"]] = "auto"
+    """true/auto: the rollout (and eval's sampling) decodes at most batch_size sequences at once and gives a finished
+    sequence's slot to the next waiting one, prefilled then, instead of decoding fixed batches until their longest
+    row ends; auto streams wherever the decode is eager (not under rollout.decode_graphs), and true makes
+    decode_graphs auto decode eagerly. Equal to fixed batches when every completion runs max_new_tokens."""
     engine: Literal["shared", "separate", "http"] = "shared"
     """shared: rollout uses the trainer's own weights (orbitctl's infer path); separate: a colocated engine holds its
     own copy (plan models it); http: an inference engine behind HTTP (vLLM, SGLang or ``orbitctl serve``) samples

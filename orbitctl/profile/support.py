@@ -117,6 +117,16 @@ _RULES: tuple[_Rule, ...] = (
     _Rule("rollout.decode_graphs", _MODEL_RUNNING, lambda v, p: v is True and p.rollout.kv_dtype != "bf16",
           "decodes on a static KV cache in the compute dtype, and rollout.kv_dtype fp8 grows a float8 cache per step",
           "set rollout.kv_dtype: bf16, or rollout.decode_graphs: auto (eager decode with the fp8 cache)"),
+    _Rule("rollout.continuous_batching", _MODEL_RUNNING, lambda v, p: v is True and p.rollout.decode_graphs is True,
+          "refills a finished sequence's slot with a waiting one, and rollout.decode_graphs true replays fixed rows "
+          "from a CUDA graph",
+          "set rollout.decode_graphs: auto or false (auto decodes eagerly with continuous batching), or "
+          "rollout.continuous_batching: auto"),
+    _Rule("rollout.continuous_batching", (TRAIN,), lambda v, p: v is True and (
+        p.rollout.engine == "http" or str(p.data.train).startswith("env:")),
+          "streams orbitctl's own single-turn rollout, and this profile samples through an http engine (which batches "
+          "its own requests) or a multi-turn environment (turn by turn)",
+          "set rollout.continuous_batching: auto"),
     _Rule("rl.router_replay", (TRAIN, VERIFY_INTERNAL), lambda v, p: v is True and not _is_moe(p),
           "replays the experts a mixture-of-experts model routed each token to, and this model has no routed experts",
           "set rl.router_replay: false"),

@@ -67,11 +67,22 @@ def sample_groups(policy, items: list[PromptItem], *, group_size: int, batch_siz
     ``keys`` = ``(seed, positions)``, one position per item: completion ``g`` of the item at position
     ``p`` draws its tokens from key ``p * group_size + g`` (:mod:`orbitctl.model.draws`) instead of
     ``generator``, so the draws do not depend on how items are split over ranks and chunks.
+    With the policy's continuous batching (``rollout.continuous_batching``) all the rows go to one
+    :meth:`~orbitctl.model.policy.Policy.sample_stream` with ``batch_size`` slots instead.
     """
     from orbitctl.model.draws import KeyedDraws
 
     expanded = [it for it in items for _ in range(group_size)]
     row_keys = [p * group_size + g for p in keys[1] for g in range(group_size)] if keys is not None else None
+    if policy.continuous_batching:
+        import torch
+
+        ids, mask = policy.encode_prompts([it.prompt for it in expanded]) if expanded else \
+            (torch.zeros((0, 1), dtype=torch.long), torch.zeros((0, 1), dtype=torch.long))
+        samples = policy.sample_stream(ids, mask, slots=batch_size, max_new_tokens=max_new_tokens,
+                                       temperature=temperature, top_p=top_p, generator=generator, keep_dist=keep_dist,
+                                       draws=KeyedDraws(keys[0], tuple(row_keys)) if row_keys else None)
+        return expanded, [samples] if expanded else []
     parts = []
     for start, chunk in lockstep_chunks(policy, expanded, batch_size):
         ids, mask = policy.encode_prompts([it.prompt for it in chunk]) if chunk else policy.filler()

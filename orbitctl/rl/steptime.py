@@ -3,7 +3,8 @@
     python -m orbitctl.rl.steptime PROFILE.yaml RUN_DIR M K N [R [STEPS]]    # prints one JSON line
 
 Measures the matmul throughput of an [M, K] x [K, N] GEMM (the model's own update shape) and of
-the adapters' thin [M, K] x [K, R] one in the profile's compute dtype, the memory bandwidth of a
+the adapters' thin [M, K] x [K, R] one in the profile's compute dtype, of the fused INT4 kernel on an [N, K]
+weight at a few row counts up to M (where the profile's layers run it), the memory bandwidth of a
 256 MiB copy, the cost of one eager op issued from transformers' modules and of one attention work item
 (one sequence and head of a tiny causal attention), each the best of several runs; then runs
 STEPS steps (default 1) of ``train`` in RUN_DIR and reads each step's ``time_rollout_s`` and
@@ -40,6 +41,31 @@ def machine_rates(torch, dtype, shape: tuple[int, int, int]) -> tuple[float, flo
     dst.copy_(src)
     bandwidth = 2 * src.numel() * 4 / _best_of(lambda: dst.copy_(src))  # read + write
     return flops, bandwidth
+
+
+KERNEL_ROWS = (1, 4, 16, 64, 256, 1024)
+"""Row counts the fused INT4 kernel is timed at (and the update's own): the plan interpolates between them."""
+
+
+def kernel_rates(torch, shape: tuple[int, int, int], group_size: int) -> list[tuple[int, float]]:
+    """``(rows, FLOP/s)`` of the fused INT4 kernel (:class:`~orbitctl.model.int4_kernel.Int4Pack`) on a random
+    [n, k] INT4 weight in groups of ``group_size``, at :data:`KERNEL_ROWS` up to the update's ``m`` rows and at
+    ``m``; each the best of three runs."""
+    from orbitctl.model.int4_kernel import Int4Pack, unsupported_shape
+
+    m, k, n = shape
+    if unsupported_shape(n, k, group_size) is not None:
+        return []  # the model's layers of this shape dequantize too
+    generator = torch.Generator().manual_seed(0)
+    words = torch.randint(-2**31, 2**31 - 1, (n, k // 8), generator=generator, dtype=torch.int32)
+    scale = (torch.rand(n, k // group_size, generator=generator) * 0.02 + 0.001).to(torch.bfloat16)
+    pack = Int4Pack.of(words, scale)
+    rates = []
+    for rows in sorted({r for r in KERNEL_ROWS if r < m} | {m}):
+        x = torch.randn(rows, k, generator=generator)
+        pack.matmul(x)
+        rates.append((rows, 2 * rows * k * n / _best_of(lambda: pack.matmul(x), repeats=3)))
+    return rates
 
 
 OP_BLOCKS = 8
@@ -120,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     flops, bandwidth = machine_rates(torch, dtype, shape)
     thin = machine_rates(torch, dtype, (shape[0], shape[1], rank))[0] if rank else 0.0
     op_s, block_s = overhead_rates(torch, dtype)
+    from orbitctl.model.frozen_base import int4_kernel
+
+    fused = int4_kernel(profile.quant.kernel, profile.quant.format, "cpu") == "fused"
+    kernel = kernel_rates(torch, shape, profile.quant.group_size) if fused else []
     train(profile, fresh=True, steps=steps * per)
     records = [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines() if line.strip()]
     # one record per optimizer step: a rollout's time is on its first, every update on its own
@@ -127,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     updates = [sum(float(r["time_update_s"]) for r in records[i:i + per]) for i in range(0, len(records), per)]
     steady = slice(1, None) if len(rollouts) > 1 else slice(None)
     print(json.dumps({"flops_per_s": flops, "bytes_per_s": bandwidth, "adapter_flops_per_s": thin,
-                      "op_s": op_s, "attention_block_s": block_s, "dtype": str(dtype).removeprefix("torch."),
+                      "op_s": op_s, "attention_block_s": block_s, "kernel_flops_per_s": kernel, "dtype": str(dtype).removeprefix("torch."),
                       "threads": torch.get_num_threads(), "steps": len(rollouts),
                       "rollout_s": min(rollouts[steady]), "policy_update_s": min(updates[steady]),
                       "first_rollout_s": rollouts[0], "first_policy_update_s": updates[0]}))

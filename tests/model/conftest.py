@@ -1,4 +1,5 @@
-"""The tiny INT4 MoE the model tests share: DeepSeek-V3-type, 8 routed experts (top-2), 3 layers (1 dense, 2 MoE)."""
+"""What the model tests share: the tiny INT4 MoE (DeepSeek-V3-type, 8 routed experts (top-2), 3 layers (1 dense,
+2 MoE)), and a shipped profile's policy as train builds it."""
 
 from __future__ import annotations
 
@@ -18,3 +19,22 @@ def int4_moe(tmp_path_factory):
     quantize_checkpoint(src, out, fmt="int4", group_size=32, modules="experts", skip=["lm_head"],
                         compute_dtype="float32", max_shard_bytes=60_000)
     return out
+
+
+@pytest.fixture
+def profile_policy(tmp_path_factory, model_cache):
+    """``load(name, **sets)``: the policy of ``profiles/name`` with ``sets`` overrides, as train builds it (a run
+    directory of its own), with the profile's prompt split and the profile: ``(policy, split, profile)``."""
+    from pathlib import Path
+
+    from orbitctl.builder import load_policy, prepare_frozen_base
+    from orbitctl.data.prompts import load_prompts
+    from orbitctl.profile import load_profile
+
+    def load(name: str, **sets):
+        profile = load_profile(Path(__file__).resolve().parents[2] / "profiles" / name,
+                               [f"run.dir={tmp_path_factory.mktemp('run')}", *(f"{k}={v}" for k, v in sets.items())])
+        split = load_prompts(profile.data, profile.run.seed)
+        return load_policy(profile, prepare_frozen_base(profile, split.warm_task)), split, profile
+
+    return load

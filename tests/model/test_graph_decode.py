@@ -19,20 +19,9 @@ from orbitctl.model.graph_decode import StaticDecode, graphs_apply  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _policy(name: str, tmp_path_factory, **sets):
-    from orbitctl.builder import load_policy, prepare_frozen_base
-    from orbitctl.data.prompts import load_prompts
-    from orbitctl.profile import load_profile
-
-    profile = load_profile(ROOT / "profiles" / name,
-                           [f"run.dir={tmp_path_factory.mktemp('run')}", *(f"{k}={v}" for k, v in sets.items())])
-    split = load_prompts(profile.data, profile.run.seed)
-    return load_policy(profile, prepare_frozen_base(profile, split.warm_task)), split
-
-
 @pytest.mark.parametrize("name", ["tiny-cpu.yaml", "tiny-moe-cpu.yaml"])
-def test_the_static_step_samples_what_the_growing_cache_samples(name, tmp_path_factory, model_cache):
-    policy, split = _policy(name, tmp_path_factory)
+def test_the_static_step_samples_what_the_growing_cache_samples(name, profile_policy):
+    policy, split, _ = profile_policy(name)
     # prompts of different lengths: left padding in the batch
     prompts = [it.prompt + " 7" * i for i, it in enumerate(split.train[:5])]
     ids, mask = policy.encode_prompts(prompts)
@@ -52,12 +41,12 @@ def test_the_static_step_samples_what_the_growing_cache_samples(name, tmp_path_f
         assert torch.equal(fixed.routes, eager.routes)
 
 
-def test_the_static_step_keeps_its_shapes_and_addresses(tmp_path_factory, model_cache):
+def test_the_static_step_keeps_its_shapes_and_addresses(profile_policy):
     """Every step writes into the same cache tensors at a device-side counter, opens one mask column, and feeds
     the same input buffers: what a graph captured at one step replays at every later one."""
     from transformers import DynamicCache
 
-    policy, split = _policy("tiny-moe-cpu.yaml", tmp_path_factory)
+    policy, split, _ = profile_policy("tiny-moe-cpu.yaml")
     ids, mask = policy.encode_prompts([it.prompt + " 7" * i for i, it in enumerate(split.train[:3])])
     model = policy.model
     model.eval()
@@ -147,7 +136,7 @@ def test_the_plans_kernels_per_replayed_op_are_what_a_static_step_dispatches(int
     assert abs(share - GRAPH_KERNELS_PER_OP) <= 0.15 * GRAPH_KERNELS_PER_OP, counted
 
 
-def test_only_a_model_whose_experts_run_grouped_is_captured(int4_moe, tmp_path_factory, model_cache):
+def test_only_a_model_whose_experts_run_grouped_is_captured(int4_moe, profile_policy):
     """The per-expert loop reads the routing's counts on the host: a MoE layer without its grouped stack keeps the
     static step eager (capture off) even on a GPU; a dense model has nothing to read."""
     from orbitctl.model.frozen_base import load_frozen_base
@@ -155,7 +144,7 @@ def test_only_a_model_whose_experts_run_grouped_is_captured(int4_moe, tmp_path_f
 
     moe = load_frozen_base(int4_moe, compute_dtype=torch.float32)
     assert not sync_free(moe)
-    policy, _ = _policy("tiny-cpu.yaml", tmp_path_factory)
+    policy, _, _ = profile_policy("tiny-cpu.yaml")
     assert sync_free(policy.model)
 
 

@@ -186,3 +186,41 @@ def test_decode_graphs_auto_takes_the_faster_rollout_the_plan_predicts(repo, nam
     plan = plan_profile(profile, with_advice=False)
     assert plan.timing.phases["rollout"].seconds == pytest.approx(min(graphed, eager))
     assert resolve_decode_graphs(apply_changes(profile, {"rollout.decode_graphs": False})).rollout.decode_graphs is False
+
+
+def test_kernel_rate_interpolates_in_log_rows_between_measured_points():
+    peaks = Peaks(flops=1e11, hbm=1e10, link=1e10, nic=1e10, kernel_flops=((1, 1e9), (16, 16e9), (1024, 64e9)))
+    assert peaks.kernel_rate(1) == pytest.approx(1e9) and peaks.kernel_rate(0.5) == pytest.approx(1e9)
+    assert peaks.kernel_rate(4) == pytest.approx(4e9)  # halfway in log rows: the geometric mean
+    assert peaks.kernel_rate(1024) == pytest.approx(64e9) and peaks.kernel_rate(1e6) == pytest.approx(64e9)
+    assert Peaks(flops=1e11, hbm=1e10, link=1e10, nic=1e10).kernel_rate(32) == 1e11  # nothing measured: the GEMM's
+
+
+def test_fused_int4_matmuls_are_timed_at_the_kernels_rate_at_each_phases_rows(repo):
+    """quant.kernel fused on a CPU: the frozen base's forward matmuls (all decoder linears of an INT4 tiny-cpu, the
+    lm_head and the backward left to the GEMM) cost kernel FLOPs at the kernel's measured rate at the phase's rows."""
+    profile = _profile(repo, "tiny-cpu", **{"quant.format": "int4", "quant.kernel": "fused"})
+    base = dict(flops=2e11, hbm=2e10, link=2e10, nic=2e10, op_s=6e-6, synchronous=True, block_s=2e-6)
+    plain = _measured_step(profile, Peaks(**base))
+    slow = _measured_step(profile, Peaks(**base, kernel_flops=((1, 1e9), (100000, 1e9))))
+    dequantized = _measured_step(apply_changes(profile, {"quant.kernel": "dequantize"}),
+                                 Peaks(**base, kernel_flops=((1, 1e9), (100000, 1e9))))
+    for name in ("policy_update", "rollout"):
+        fast, kernel = plain.phases[name], slow.phases[name]
+        assert 0 < kernel.kernel_flops < kernel.flops
+        assert kernel.compute_s == pytest.approx(fast.compute_s + kernel.kernel_flops * (1 / 1e9 - 1 / 2e11))
+        assert dequantized.phases[name].kernel_flops == 0
+    # a decode step's rows are its batch; an update forward's, the micro-batch's tokens
+    decode, update = slow.phases["rollout"].parts["decode"], slow.phases["policy_update"]
+    assert 1 <= decode.kernel_rows < update.kernel_rows
+    assert update.kernel_rows % profile.memory.seq_len == 0
+
+
+def test_fp8_kv_advice_says_it_turns_the_graphed_decode_off(repo):
+    """The fp8 KV cache is advised where the rollout phase peaks; on a GPU whose decode replays CUDA graphs the advice
+    says the fp8 decode runs eagerly (the static step keeps a bf16 cache), and not where it never graphs."""
+    graphed = plan_profile(_profile(repo, "kimi-k2_grpo_int4_8xh200")).advice
+    eager = plan_profile(_profile(repo, "kimi-k2_grpo_int4_8xh200", **{"rollout.decode_graphs": False})).advice
+    line = next(a.text for a in graphed if a.change == {"rollout.kv_dtype": "fp8"})
+    assert "runs eagerly" in line
+    assert "runs eagerly" not in next(a.text for a in eager if a.change == {"rollout.kv_dtype": "fp8"})
