@@ -341,7 +341,10 @@ class Policy:
         cache = mask = position = logits = None
         with torch.no_grad():
             while True:
-                admit = waiting[:max(0, slots - len(active))]
+                free = slots - len(active)
+                # admitted together once a share of the slots is free (each admission is one prefill forward), or
+                # when the batch would otherwise run dry
+                admit = waiting[:free] if free >= min(self.admit_at(slots), len(waiting)) or not active else []
                 del waiting[:len(admit)]
                 if self.lockstep.rounds(len(admit)):  # any rank admits: every rank prefills (a filler where none)
                     ids, m = (prompt_ids[admit], prompt_mask[admit]) if admit else self.filler()
@@ -415,6 +418,13 @@ class Policy:
         return _stream_samples(prompt_ids, prompt_mask, tokens, kept, logps, dists if keep_dist else None,
                                raws if keep_logits else None, fed_routes if routing is not None else None,
                                prompt_routes, self.pad_id)
+
+    ADMIT_SHARE = 4
+    """:meth:`sample_stream` admits waiting rows once 1/ADMIT_SHARE of its slots are free."""
+
+    def admit_at(self, slots: int) -> int:
+        """Free slots :meth:`sample_stream` waits for before it prefills waiting rows (fewer when fewer wait)."""
+        return max(1, slots // self.ADMIT_SHARE)
 
     def filler(self):
         """A one-token batch for a rank that has run out of work while others have not (see ``lockstep``)."""

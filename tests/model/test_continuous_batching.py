@@ -253,3 +253,25 @@ def test_continuous_true_makes_auto_graphs_decode_eagerly_and_the_dry_run_says_w
     for profile, graphs in ((kimi, True), (streamed, False)):
         rollout = dry_run(profile).rollout
         assert rollout["decode_graphs"] is graphs and rollout["continuous_batching"] is (not graphs)
+
+
+def test_waiting_rows_are_admitted_together_once_a_quarter_of_the_slots_is_free(profile_policy):
+    """Each admission is a prefill forward: one row ending among 8 slots leaves its slot idle until a quarter of
+    the slots (2) is free, or the batch runs dry, and then the waiting rows are prefilled together."""
+    policy, split, _ = profile_policy("tiny-cpu.yaml")
+    ids, mask = policy.encode_prompts([it.prompt for it in split.train[:10]])
+    lengths = (1, 5, 5, 5, 5, 5, 5, 5, 3, 3)
+    completion = torch.randint(5, 40, (10, 5), generator=torch.Generator().manual_seed(0))
+    keep = (torch.arange(5)[None, :] < torch.tensor(lengths)[:, None]).long()
+    prefills = []
+    handle = policy.model.register_forward_pre_hook(
+        lambda module, args, kwargs: prefills.append(kwargs["input_ids"].shape[0]) if kwargs["input_ids"].shape[1] > 1
+        else None, with_kwargs=True)
+    try:
+        stream = policy.sample_stream(ids, mask, slots=8, max_new_tokens=0, temperature=1.0, top_p=1.0,
+                                      generator=None, forced=(completion, keep))
+    finally:
+        handle.remove()
+    assert policy.admit_at(8) == 2 and policy.admit_at(3) == 1
+    assert prefills == [8, 2]  # rows 8 and 9 wait for rows 1-7 to end, not row 0 alone
+    assert stream.completion_mask.sum(-1).tolist() == list(lengths)
