@@ -151,10 +151,10 @@ class PhaseTime:
     """The part of ``flops`` in the adapters' thin matmuls."""
     graph_kernels: float = 0.0
     """Kernels replayed from CUDA graphs (the graphed decode steps), each costing ``Peaks.graph_kernel_s``."""
-    kernel_flops: float = 0.0
-    """The part of ``flops`` in the fused INT4 kernel (the frozen base's forward matmuls), at ``Peaks.kernel_rate``."""
-    kernel_rows: float = 0.0
-    """Rows of one of those kernel calls (the tokens of one forward)."""
+    kernel_work: tuple[tuple[float, float], ...] = ()
+    """The part of ``flops`` in the fused INT4 kernel (the frozen base's forward matmuls), as ``(FLOPs, rows per
+    call)`` pairs: the dense weights meet a forward's tokens, a routed expert the tokens routed to it. Timed at
+    ``Peaks.kernel_rate`` of those rows."""
     compute_s: float = 0.0
     memory_s: float = 0.0
     comm_s: float = 0.0
@@ -165,6 +165,10 @@ class PhaseTime:
     """max(FLOPs / peak FLOP/s, bytes / peak HBM, comm bytes / peak links): no run can be faster."""
     parts: dict[str, PhaseTime] = field(default_factory=dict)
     """Sub-phases (rollout: prefill, decode), each timed on its own."""
+
+    @property
+    def kernel_flops(self) -> float:
+        return sum(flops for flops, _ in self.kernel_work)
 
     @property
     def seconds(self) -> float:
@@ -189,7 +193,7 @@ class PhaseTime:
 
     def to_dict(self) -> dict[str, Any]:
         doc = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "parts"}
-        doc.update(seconds=self.seconds, bound=self.bound, tokens_per_s=self.tokens_per_s,
+        doc.update(seconds=self.seconds, bound=self.bound, tokens_per_s=self.tokens_per_s, kernel_flops=self.kernel_flops,
                    parts={k: p.to_dict() for k, p in self.parts.items()})
         return doc
 
@@ -197,9 +201,9 @@ class PhaseTime:
 def _timed(phase: PhaseTime, peaks: Peaks, eff: Efficiency) -> PhaseTime:
     nic = peaks.nic if phase.inter_bytes else 1.0
     thin = peaks.adapter_flops or peaks.flops
-    kernel = peaks.kernel_rate(phase.kernel_rows) if phase.kernel_flops else peaks.flops
+    kernel_s = sum(flops / peaks.kernel_rate(rows) for flops, rows in phase.kernel_work)
     phase.compute_s = ((phase.flops - phase.adapter_flops - phase.kernel_flops) / peaks.flops
-                       + phase.adapter_flops / thin + phase.kernel_flops / kernel) / eff.compute
+                       + phase.adapter_flops / thin + kernel_s) / eff.compute
     phase.overhead_s = phase.ops * peaks.op_s + phase.items * peaks.block_s + phase.graph_kernels * peaks.graph_kernel_s
     phase.synchronous = peaks.synchronous
     phase.memory_s = phase.hbm_bytes / (peaks.hbm * eff.hbm)
@@ -288,8 +292,20 @@ class WeightReads:
     group: int
     """Ranks whose tokens reach this GPU's experts: P under expert parallelism, else 1."""
     kernel_params: float = 0.0
-    """Parameters a token multiplies through the fused INT4 kernel: the INT4 dense weights, and the top-k routed
-    experts' where they run it (0 when the forward dequantizes)."""
+    """Dense parameters a token multiplies through the fused INT4 kernel (0 when the forward dequantizes)."""
+    kernel_expert_params: float = 0.0
+    """Routed-expert parameters a token multiplies through it: its top-k experts', where they run it."""
+
+    def kernel_work(self, tokens: float, passes: float = 1.0) -> tuple[tuple[float, float], ...]:
+        """``(FLOPs, rows per call)`` of the fused kernel in ``passes`` forwards of ``tokens`` tokens each: the dense
+        weights at ``tokens`` rows, each hit expert at the slots routed to it (from all ``group`` ranks)."""
+        work = []
+        if self.kernel_params:
+            work.append((passes * 2.0 * self.kernel_params * tokens, tokens))
+        if self.kernel_expert_params:
+            hit = touched_experts(self.num_experts, self.top_k, tokens * self.group)
+            work.append((passes * 2.0 * self.kernel_expert_params * tokens, tokens * self.group * self.top_k / hit))
+        return tuple(work)
 
     def bytes(self, tokens: float) -> float:
         hit = touched_experts(self.num_experts, self.top_k, tokens * self.group) / max(self.num_experts, 1)
@@ -315,12 +331,12 @@ def weight_reads(arch: ArchSpec, storage: BaseStorage, layout: Layout, fused: bo
     dense_quantized = storage.quantized_params - (expert_params if quantized_experts else 0)
     dense_deq = copies * 2.0 * max(0, min(dense_quantized, dense_params))
     kernel_experts = expert_params * arch.experts_per_token / arch.num_experts \
-        if moe and quantized_experts and not expert_copies else 0.0
-    kernel_params = (max(0, min(dense_quantized, dense_params)) + kernel_experts) if fused else 0.0
+        if fused and moe and quantized_experts and not expert_copies else 0.0
+    kernel_params = max(0, min(dense_quantized, dense_params)) if fused else 0.0
     return WeightReads(dense=max(dense_stored, 0.0) + dense_deq, per_expert=per_expert_stored + expert_deq,
                        experts_held=layout.experts_per_rank, moe_layers=moe, num_experts=arch.num_experts,
                        top_k=arch.experts_per_token, group=layout.expert_parallel if layout.expert_parallel_on else 1,
-                       kernel_params=kernel_params)
+                       kernel_params=kernel_params, kernel_expert_params=kernel_experts)
 
 
 def kv_bytes_per_token(profile, arch: ArchSpec) -> float:
@@ -383,7 +399,7 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
         intra_bytes=intra * first, inter_bytes=inter * first, tokens=0,
         ops=rounds * (ops(rows * prompt) + OPS_SAMPLE), items=rounds * attention_blocks(arch, rows),
         adapter_flops=rounds * 2.0 * lora * rows * prompt,
-        kernel_flops=rounds * 2.0 * forward_reads.kernel_params * rows * prompt, kernel_rows=rows * prompt),
+        kernel_work=forward_reads.kernel_work(rows * prompt, rounds)),
         peaks, eff)
     # graphed decode (orbitctl.model.graph_decode): a batch's first steps eager, every later one a replay of its
     # kernels; attention runs over the static cache's whole length, its unwritten slots masked
@@ -399,14 +415,14 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
         graph_kernels=rounds * (steps - eager) * step_ops * GRAPH_KERNELS_PER_OP,
         items=rounds * steps * attention_blocks(arch, batch),
         adapter_flops=rounds * steps * 2.0 * lora * batch,
-        kernel_flops=rounds * steps * 2.0 * forward_reads.kernel_params * batch, kernel_rows=batch),
+        kernel_work=forward_reads.kernel_work(batch, rounds * steps)),
         peaks, eff)
     rollout = PhaseTime(flops=prefill.flops + decode.flops, hbm_bytes=prefill.hbm_bytes + decode.hbm_bytes,
                         intra_bytes=intra, inter_bytes=inter, tokens=shape.decode_tokens * world,
                         ops=prefill.ops + decode.ops, items=prefill.items + decode.items,
                         graph_kernels=decode.graph_kernels,
                         adapter_flops=prefill.adapter_flops + decode.adapter_flops,
-                        kernel_flops=prefill.kernel_flops + decode.kernel_flops, kernel_rows=batch)
+                        kernel_work=prefill.kernel_work + decode.kernel_work)
     _timed(rollout, peaks, eff)  # its floor from the totals; its terms and seconds are the sub-phases' sums
     rollout.compute_s = prefill.compute_s + decode.compute_s
     rollout.memory_s = prefill.memory_s + decode.memory_s
@@ -441,7 +457,7 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
         items=(shape.micro_batches * (1 + reach_layers * (shape.recompute + 2)) + shape.no_grad_passes) * fwd_items,
         adapter_flops=(shape.micro_batches * (2 + 2 * shape.recompute + 4) + 2 * shape.no_grad_passes) * lora * t,
         # the forward passes' frozen matmuls run the fused kernel; the backward dequantizes (the GEMM's rate)
-        kernel_flops=forward_passes * 2.0 * forward_reads.kernel_params * t, kernel_rows=t),
+        kernel_work=forward_reads.kernel_work(t, forward_passes)),
         peaks, eff)
 
     # ---- adapter sync: a separate engine receives the whole adapter once per step; the shared one nothing

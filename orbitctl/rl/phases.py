@@ -9,7 +9,9 @@ On a GPU a phase's peak is ``torch.cuda.max_memory_allocated`` (reset as the pha
 device's used memory from NVML as the phase ends (context, NCCL, other processes). On the CPU it
 is the rise of the process's resident set over its size before the base was built or loaded: the kernel's
 high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs`` after the allocator has given
-freed pages back) at the end of the phase, minus that baseline. The prediction is ``orbitctl plan``'s peak of the same phase for this profile. A
+freed pages back) at the end of the phase, minus that baseline. The CPU's exact measure costs speed (see
+:data:`FAST_MMAP_THRESHOLD_BYTES`), so it runs on the first steps and every :data:`MEASURE_EVERY`-th; the peaks are
+the largest of those. The prediction is ``orbitctl plan``'s peak of the same phase for this profile. A
 measured/predicted ratio outside :data:`RATIO_BAND` (and more than :data:`SLACK_BYTES` apart) is a warning
 that names the phase, given once each time the ratio leaves the band.
 """
@@ -24,8 +26,17 @@ PHASES = ("rollout", "policy_update")
 """The phases train runs as steps of its own (the shared engine syncs no adapter: rollout reads it in place)."""
 RATIO_BAND = (0.8, 1.2)
 MMAP_THRESHOLD_BYTES = 1 * MiB
-"""On the CPU, allocations from this size get pages of their own (:func:`orbitctl.procmem.pin_mmap_threshold`), so the
-resident set a phase rises by is what it holds, as the plan counts it, not the heap holes its freed temporaries left."""
+"""On the CPU, while a phase is measured, allocations from this size get pages of their own
+(:func:`orbitctl.procmem.pin_mmap_threshold`), so the resident set a phase rises by is what it holds, as the plan counts
+it, not the heap holes its freed temporaries left."""
+FAST_MMAP_THRESHOLD_BYTES = 32 * MiB
+"""The threshold between measured steps: glibc's own largest. Every page of its own is faulted in when allocated and
+unmapped when freed, which on the CPU doubled a step of the representative setting (benchmarks/train_vs_trl.py:
+rollout 11.4 s and update 11.8 s pinned at 1 MiB, 4.8 s and 7.7 s at 32 MiB); the heap reuses its freed blocks."""
+EXACT_STEPS = 2
+"""On the CPU the first RL steps of a process are measured (the first pays the warm-up, the second is steady) ..."""
+MEASURE_EVERY = 10
+"""... and then every this many: the peaks are the largest of the measured steps."""
 SLACK_BYTES = 256 * MiB
 """A difference smaller than this is not warned about whatever the ratio: on a tiny model the process's
 own allocations (allocator arenas, kernels, DeepSpeed's buffers) outweigh everything the plan models."""
@@ -59,6 +70,14 @@ class PhaseMemory:
         self.device_used: dict[str, int] = {}
         self.kind = "cuda_max_allocated" if self.cuda else "rss_rise"
         self._outside: set[str] = set()
+        self.rounds = 0
+        """RL steps reported so far (:meth:`report`)."""
+
+    @property
+    def measuring(self) -> bool:
+        """Whether this RL step's phases are measured: every step on a GPU; on the CPU the first :data:`EXACT_STEPS`
+        and every :data:`MEASURE_EVERY`-th, the allocator pinned for them and left fast between them."""
+        return self.cuda or self.rounds < EXACT_STEPS or self.rounds % MEASURE_EVERY == 0
 
     @classmethod
     def for_profile(cls, profile, device: str = "cpu") -> "PhaseMemory":
@@ -78,9 +97,14 @@ class PhaseMemory:
     def phase(self, name: str):
         import torch
 
+        if not self.measuring:
+            pin_mmap_threshold(FAST_MMAP_THRESHOLD_BYTES)
+            yield
+            return
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         else:
+            pin_mmap_threshold(MMAP_THRESHOLD_BYTES)
             return_freed_heap()
             if not reset_high_water():
                 self.kind = "rss_rise_lifetime"  # no resettable high-water mark: the process's peak so far
@@ -101,6 +125,7 @@ class PhaseMemory:
         warnings of phases whose ratio just left the band."""
         import torch.distributed as dist
 
+        self.rounds += 1
         mine = {"measured": self.measured, "device_used": self.device_used}
         ranks = [mine]
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -212,8 +212,23 @@ def test_fused_int4_matmuls_are_timed_at_the_kernels_rate_at_each_phases_rows(re
         assert dequantized.phases[name].kernel_flops == 0
     # a decode step's rows are its batch; an update forward's, the micro-batch's tokens
     decode, update = slow.phases["rollout"].parts["decode"], slow.phases["policy_update"]
-    assert 1 <= decode.kernel_rows < update.kernel_rows
-    assert update.kernel_rows % profile.memory.seq_len == 0
+    (_, decode_rows), = decode.kernel_work
+    (_, update_rows), = update.kernel_work
+    assert 1 <= decode_rows < update_rows and update_rows % profile.memory.seq_len == 0
+
+
+def test_routed_experts_run_the_kernel_at_the_rows_routed_to_each(repo):
+    """On an INT4 MoE the experts' kernel FLOPs are timed at the slots an expert meets (tokens x top-k / experts
+    hit), far fewer rows than the dense weights' tokens: at a kernel slow on few rows they cost more."""
+    profile = _profile(repo, "tiny-moe-cpu", **{"hardware.gpus_per_node": 1, "memory.expert_parallel": 1,
+                                                "quant.kernel": "fused"})
+    base = dict(flops=2e11, hbm=2e10, link=2e10, nic=2e10, op_s=6e-6, synchronous=True, block_s=2e-6)
+    flat = _measured_step(profile, Peaks(**base, kernel_flops=((1, 1e10), (4096, 1e10))))
+    rising = _measured_step(profile, Peaks(**base, kernel_flops=((1, 1e9), (4096, 1e10))))
+    decode = flat.phases["rollout"].parts["decode"]
+    (dense_flops, dense_rows), (expert_flops, expert_rows) = decode.kernel_work
+    assert expert_rows < dense_rows and dense_flops > 0 and expert_flops > 0
+    assert rising.phases["rollout"].seconds > flat.phases["rollout"].seconds
 
 
 def test_fp8_kv_advice_says_it_turns_the_graphed_decode_off(repo):

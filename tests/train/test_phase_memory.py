@@ -66,3 +66,24 @@ def test_a_run_that_builds_its_base_measures_what_a_cached_run_measures(profile_
     built, cached = rises
     for phase in cached:
         assert 0.8 <= built[phase] / cached[phase] <= 1.25, (phase, built, cached)
+
+
+def test_the_cpu_measures_the_first_steps_and_every_tenth_leaving_the_allocator_fast_between(monkeypatch):
+    """Pinned at 1 MiB every multi-MiB allocation faults its pages in; between measured steps the threshold is
+    glibc's largest, and a step not measured records nothing (the peaks are the measured steps')."""
+    import orbitctl.rl.phases as phases
+
+    pinned = []
+    monkeypatch.setattr(phases, "pin_mmap_threshold", lambda nbytes: pinned.append(nbytes) or True)
+    meter = PhaseMemory({"rollout": 1, "policy_update": 1})
+    measured = []
+    for step in range(12):
+        measured.append(meter.measuring)
+        pinned.clear()
+        with meter.phase("rollout"):
+            block = torch.ones((8 if step == 5 else 1) * 24 * MiB // 4)  # step 5 allocates the most, unmeasured
+            del block
+        assert pinned == [phases.MMAP_THRESHOLD_BYTES if measured[-1] else phases.FAST_MMAP_THRESHOLD_BYTES]
+        meter.report()
+    assert measured == [True, True] + [False] * 8 + [True, False]
+    assert meter.measured["rollout"] < 8 * 24 * MiB
