@@ -15,6 +15,10 @@ from pathlib import Path
 _MALLOC_TRIM = None
 M_MMAP_THRESHOLD = -3
 """glibc's ``mallopt`` parameter for the size from which an allocation gets pages of its own."""
+M_TRIM_THRESHOLD = -1
+"""glibc's ``mallopt`` parameter for the free space at the heap's top from which ``free`` gives it back."""
+DEFAULT_TRIM_THRESHOLD = 128 * 1024
+"""glibc's own trim threshold (it raises it to twice the mmap threshold only while that adjusts itself)."""
 
 
 def return_freed_heap() -> None:
@@ -33,12 +37,7 @@ def return_freed_heap() -> None:
         _MALLOC_TRIM(0)
 
 
-def pin_mmap_threshold(nbytes: int) -> bool:
-    """Serve every allocation of ``nbytes`` or more from pages of its own, given back to the kernel when freed
-    (glibc's ``M_MMAP_THRESHOLD``; False where it cannot be set). glibc otherwise raises that threshold to the
-    largest block freed so far (up to 32 MiB), after which multi-MiB temporaries (activations, logits, dequantized
-    weights) come from the heap, and the holes they leave between live blocks stay resident: over one policy update
-    of an FP8 135M model the resident set rose 4.17 GiB against 1.53 GiB with the threshold pinned at 1 MiB."""
+def _mallopt(param: int, value: int) -> bool:
     try:
         import ctypes
         import ctypes.util
@@ -46,7 +45,20 @@ def pin_mmap_threshold(nbytes: int) -> bool:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, int(nbytes)))
+    return bool(mallopt(param, int(value)))
+
+
+def pin_mmap_threshold(nbytes: int, trim_bytes: int = DEFAULT_TRIM_THRESHOLD) -> bool:
+    """Serve every allocation of ``nbytes`` or more from pages of its own, given back to the kernel when freed
+    (glibc's ``M_MMAP_THRESHOLD``; False where it cannot be set). glibc otherwise raises that threshold to the
+    largest block freed so far (up to 32 MiB), after which multi-MiB temporaries (activations, logits, dequantized
+    weights) come from the heap, and the holes they leave between live blocks stay resident: over one policy update
+    of an FP8 135M model the resident set rose 4.17 GiB against 1.53 GiB with the threshold pinned at 1 MiB.
+
+    Pinning also stops glibc raising its trim threshold, so ``trim_bytes`` sets it: at glibc's default (128 KiB) a
+    freed multi-MiB block at the heap's top is given back and the next one faults its pages in again; for a fast
+    heap under a large mmap threshold, twice that threshold (what glibc's own adjustment does)."""
+    return _mallopt(M_TRIM_THRESHOLD, trim_bytes) and _mallopt(M_MMAP_THRESHOLD, nbytes)
 
 
 def status_bytes(field: str) -> int | None:

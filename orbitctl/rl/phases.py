@@ -98,7 +98,7 @@ class PhaseMemory:
         import torch
 
         if not self.measuring:
-            pin_mmap_threshold(FAST_MMAP_THRESHOLD_BYTES)
+            pin_mmap_threshold(FAST_MMAP_THRESHOLD_BYTES, trim_bytes=2 * FAST_MMAP_THRESHOLD_BYTES)
             yield
             return
         if self.cuda:

@@ -221,7 +221,7 @@ def test_routed_experts_run_the_kernel_at_the_rows_routed_to_each(repo):
     """On an INT4 MoE the experts' kernel FLOPs are timed at the slots an expert meets (tokens x top-k / experts
     hit), far fewer rows than the dense weights' tokens: at a kernel slow on few rows they cost more."""
     profile = _profile(repo, "tiny-moe-cpu", **{"hardware.gpus_per_node": 1, "memory.expert_parallel": 1,
-                                                "quant.kernel": "fused"})
+                                                "quant.kernel": "fused", "quant.modules": "all-linear"})
     base = dict(flops=2e11, hbm=2e10, link=2e10, nic=2e10, op_s=6e-6, synchronous=True, block_s=2e-6)
     flat = _measured_step(profile, Peaks(**base, kernel_flops=((1, 1e10), (4096, 1e10))))
     rising = _measured_step(profile, Peaks(**base, kernel_flops=((1, 1e9), (4096, 1e10))))

@@ -74,7 +74,7 @@ def test_the_cpu_measures_the_first_steps_and_every_tenth_leaving_the_allocator_
     import orbitctl.rl.phases as phases
 
     pinned = []
-    monkeypatch.setattr(phases, "pin_mmap_threshold", lambda nbytes: pinned.append(nbytes) or True)
+    monkeypatch.setattr(phases, "pin_mmap_threshold", lambda nbytes, **trim: pinned.append(nbytes) or True)
     meter = PhaseMemory({"rollout": 1, "policy_update": 1})
     measured = []
     for step in range(12):
