@@ -90,6 +90,7 @@ def _show_dry_run(report) -> None:
     output.show(f"layout: {lay['name']}, ZeRO stage {lay['zero_stage']}; micro-batch {acc['micro_batch_size']} x "
                 f"{acc['derived']} accumulation steps per rank")
     mech = output.table("memory mechanics", ("key", "train builds", "planned bytes"))
+    mech.columns[0].min_width = len("rollout.continuous_batching")  # the longest key, whole on a narrow terminal
     m = report.memory
     mech.add_row("gradient_checkpointing", str(m["gradient_checkpointing"]).lower(), "")
     mech.add_row("offload_activations", m["offload_activations"],

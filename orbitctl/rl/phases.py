@@ -30,9 +30,10 @@ MMAP_THRESHOLD_BYTES = 1 * MiB
 (:func:`orbitctl.procmem.pin_mmap_threshold`), so the resident set a phase rises by is what it holds, as the plan counts
 it, not the heap holes its freed temporaries left."""
 FAST_MMAP_THRESHOLD_BYTES = 32 * MiB
-"""The threshold between measured steps: glibc's own largest. Every page of its own is faulted in when allocated and
-unmapped when freed, which on the CPU doubled a step of the representative setting (benchmarks/train_vs_trl.py:
-rollout 11.4 s and update 11.8 s pinned at 1 MiB, 4.8 s and 7.7 s at 32 MiB); the heap reuses its freed blocks."""
+"""The threshold between measured steps: glibc's own largest (with the trim threshold at twice it, as glibc's own
+adjustment sets it). An allocation on pages of its own faults them in and unmaps them when freed, which on the CPU
+doubled a step of the representative setting (benchmarks/train_vs_trl.py, NF4: rollout 11.4 s and update 11.8 s
+pinned at 1 MiB, 5.8 s and 8.7 s in the steps between); the heap reuses its freed blocks."""
 EXACT_STEPS = 2
 """On the CPU the first RL steps of a process are measured (the first pays the warm-up, the second is steady) ..."""
 MEASURE_EVERY = 10
