@@ -304,8 +304,8 @@ class Policy:
                       top_p: float, generator, keep_dist: bool = False, keep_logits: bool = False, forced=None,
                       draws=None, kv_dtype: str | None = None) -> Samples:
         """:meth:`sample` with continuous batching: at most ``slots`` rows decode at once, and the slot of a row that
-        finishes (EOS, its ``max_new_tokens``-th token, the end of its ``forced`` tokens) goes to the next waiting row.
-        Waiting rows are prefilled when slots free up and appended to the running batch: their cache left-padded to the
+        finishes (EOS, its ``max_new_tokens``-th token, the end of its ``forced`` tokens) goes to a waiting row.
+        Waiting rows are prefilled together once :meth:`admit_at` slots are free and appended to the running batch: their cache left-padded to the
         batch's length, the padding masked, their positions their own. With every completion full length this decodes
         what :meth:`sample` does in chunks of ``slots``; where completions end early it runs fewer decode steps.
 
