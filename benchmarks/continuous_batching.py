@@ -20,7 +20,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -50,29 +49,16 @@ def lengths_of(kind: str, rows: int, most: int, seed: int) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--setting", choices=["demo", "representative"], default="representative")
+    settings.add_policy_arguments(parser)
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--lengths", choices=["uniform", "geometric"], default="uniform")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "orbitctl-bench")
-    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                        help="a profile override on top of the setting's (repeatable), e.g. quant.format=int4")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
     import torch
 
-    from orbitctl.builder import load_policy, prepare_frozen_base
-    from orbitctl.data.prompts import load_prompts
-
-    torch.set_num_threads(args.threads)
-    s = settings.setting(args.setting, args.work)
-    profile = s.load(tuple(args.sets))
-    split = load_prompts(profile.data, profile.run.seed)
-    policy = load_policy(profile, prepare_frozen_base(profile, split.warm_task))
-    policy.model.eval()
+    profile, split, policy = settings.eval_policy(args)
     group = profile.rl.group_size
     items = [it for it in split.train for _ in range(group)][:args.rows]
     ids, mask = policy.encode_prompts([it.prompt for it in items])

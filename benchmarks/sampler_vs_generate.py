@@ -25,7 +25,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,12 +37,7 @@ import settings  # noqa: E402  (benchmarks/settings.py)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--setting", choices=["demo", "representative"], default="representative")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "orbitctl-bench")
-    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                        help="a profile override on top of the setting's (repeatable), e.g. quant.format=int4")
+    settings.add_policy_arguments(parser)
     parser.add_argument("--baseline", type=Path, help="another checkout of orbitctl to measure beside this one")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -53,16 +47,9 @@ def main() -> None:
 
     import torch
 
-    from orbitctl.builder import load_policy, prepare_frozen_base
-    from orbitctl.data.prompts import load_prompts
     from orbitctl.model.draws import KeyedDraws
 
-    torch.set_num_threads(args.threads)
-    s = settings.setting(args.setting, args.work)
-    profile = s.load(tuple(args.sets))
-    split = load_prompts(profile.data, profile.run.seed)
-    policy = load_policy(profile, prepare_frozen_base(profile, split.warm_task))
-    policy.model.eval()
+    profile, split, policy = settings.eval_policy(args)
     prompts = [it.prompt for it in split.train[:profile.rl.prompts_per_step]
                for _ in range(profile.rl.group_size)]
     ids, mask = policy.encode_prompts(prompts)

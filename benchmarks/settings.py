@@ -108,3 +108,32 @@ def setting(name: str, work: Path) -> Setting:
         "memory.seq_len=112", "rl.group_size=8", "rl.prompts_per_step=4", "rl.lr=1.0e-5", *same_algorithm,
         "rollout.max_new_tokens=64", "rollout.batch_size=32", f"data.train={prompts}",
         "data.reward=python:settings:digit_share", "data.eval_size=1"))
+
+
+def add_policy_arguments(parser) -> None:
+    """The arguments of a benchmark that times one setting's policy in this process: ``--setting``, ``--reps``,
+    ``--threads``, ``--work`` and repeatable ``--set KEY=VALUE`` overrides (read by :func:`eval_policy`)."""
+    import tempfile
+
+    parser.add_argument("--setting", choices=["demo", "representative"], default="representative")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "orbitctl-bench")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="a profile override on top of the setting's (repeatable), e.g. quant.format=int4")
+
+
+def eval_policy(args):
+    """``(profile, split, policy)`` of :func:`add_policy_arguments`' setting and overrides: the policy as train builds
+    it (its base with the adapters attached), in eval mode, on ``args.threads`` torch threads."""
+    import torch
+
+    from orbitctl.builder import load_policy, prepare_frozen_base
+    from orbitctl.data.prompts import load_prompts
+
+    torch.set_num_threads(args.threads)
+    profile = setting(args.setting, args.work).load(tuple(args.sets))
+    split = load_prompts(profile.data, profile.run.seed)
+    policy = load_policy(profile, prepare_frozen_base(profile, split.warm_task))
+    policy.model.eval()
+    return profile, split, policy

@@ -10,9 +10,9 @@ library, no /proc).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
-_MALLOC_TRIM = None
 M_MMAP_THRESHOLD = -3
 """glibc's ``mallopt`` parameter for the size from which an allocation gets pages of its own."""
 M_TRIM_THRESHOLD = -1
@@ -21,31 +21,29 @@ DEFAULT_TRIM_THRESHOLD = 128 * 1024
 """glibc's own trim threshold (it raises it to twice the mmap threshold only while that adjusts itself)."""
 
 
-def return_freed_heap() -> None:
-    """Give the heap's freed pages back to the kernel (glibc's ``malloc_trim``), which otherwise keeps the holes
-    that freed multi-MiB temporaries leave, so the resident set shows what is in use."""
-    global _MALLOC_TRIM
-    if _MALLOC_TRIM is None:
-        try:
-            import ctypes
-            import ctypes.util
-
-            _MALLOC_TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _MALLOC_TRIM = False
-    if _MALLOC_TRIM:
-        _MALLOC_TRIM(0)
-
-
-def _mallopt(param: int, value: int) -> bool:
+@functools.lru_cache(maxsize=1)
+def _libc():
+    """The C library, loaded once (``find_library`` runs ``ldconfig``); None where it cannot be loaded."""
     try:
         import ctypes
         import ctypes.util
 
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(param, int(value)))
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def return_freed_heap() -> None:
+    """Give the heap's freed pages back to the kernel (glibc's ``malloc_trim``), which otherwise keeps the holes
+    that freed multi-MiB temporaries leave, so the resident set shows what is in use."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def _mallopt(param: int, value: int) -> bool:
+    mallopt = getattr(_libc(), "mallopt", None)
+    return mallopt is not None and bool(mallopt(param, int(value)))
 
 
 def pin_mmap_threshold(nbytes: int, trim_bytes: int = DEFAULT_TRIM_THRESHOLD) -> bool:

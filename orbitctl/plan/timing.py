@@ -25,6 +25,7 @@ GEMM) or bytes (an elementwise op), and pays each op's overhead: CPU seconds = c
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -105,8 +106,6 @@ class Peaks:
     def kernel_rate(self, rows: float) -> float:
         """The fused kernel's FLOP/s at ``rows`` rows: interpolated in log rows between the measured points, the
         nearest one's outside them; ``flops`` when none is measured."""
-        import math
-
         points = self.kernel_flops
         if not points:
             return self.flops
