@@ -47,6 +47,76 @@ def lengths_of(kind: str, rows: int, most: int, seed: int) -> list[int]:
     return out
 
 
+def compare(policy, prompts: list[str], lengths: list[int], slots: int, reps: int, seed: int) -> dict:
+    """Decode ``prompts`` teacher-forced to ``lengths`` (seeded tokens) both ways, ``reps`` alternating runs after a
+    warm-up of each: ``{"chunks"|"stream": {tokens_per_s, min, max, forwards, logprobs}}``, tokens/s of kept tokens,
+    the model forwards of one run and the last run's log-probs of the kept tokens."""
+    import torch
+
+    ids, mask = policy.encode_prompts(prompts)
+    new = max(lengths)
+    generator = torch.Generator().manual_seed(seed)
+    completion = torch.randint(3, int(policy.model.config.vocab_size), (len(prompts), new), generator=generator)
+    keep = (torch.arange(new)[None, :] < torch.tensor(lengths)[:, None]).long()
+    forwards = []
+    handle = policy.model.register_forward_pre_hook(lambda *a, **k: forwards.append(1), with_kwargs=True)
+    kw = dict(max_new_tokens=0, temperature=1.0, top_p=1.0, generator=None)
+
+    def chunks():  # eager, like the stream (static=False: no CUDA graph on a GPU)
+        from orbitctl.rl.rollout import _pad_right
+
+        return _pad_right([policy.sample(ids[r], mask[r], forced=(completion[r], keep[r]), static=False, **kw).logprobs
+                           for r in (slice(s, s + slots) for s in range(0, len(prompts), slots))], 0.0)
+
+    def stream():
+        return policy.sample_stream(ids, mask, slots=slots, forced=(completion, keep), **kw).logprobs
+
+    rates: dict[str, list[float]] = {"chunks": [], "stream": []}
+    out: dict[str, dict] = {}
+    try:
+        for rep in range(reps + 1):
+            for name, fn in (("chunks", chunks), ("stream", stream)):
+                forwards.clear()
+                start = time.perf_counter()
+                logprobs = fn()
+                seconds = time.perf_counter() - start
+                if rep:  # the first run of each warms up
+                    rates[name].append(sum(lengths) / seconds)
+                out[name] = {"forwards": len(forwards), "logprobs": logprobs[keep.bool()].tolist()}
+    finally:
+        handle.remove()
+    for name, r in rates.items():
+        out[name].update(tokens_per_s=statistics.median(r), min=min(r), max=max(r))
+    return out
+
+
+def device_rows(profile_path: Path, smoke: bool) -> list[tuple[str, str, str]]:
+    """benchmarks/device_check.py's rows: the profile's policy (on its device) streams 4 prompts x its group through a
+    quarter of the rows' slots against fixed batches, uniform lengths up to max_new_tokens; ok where the kept
+    log-probs agree within a few roundings of the compute dtype (the same function, positions left-padded)."""
+    import torch
+
+    from orbitctl.builder import load_policy, prepare_frozen_base
+    from orbitctl.data.prompts import load_prompts
+    from orbitctl.profile import load_profile
+
+    profile = load_profile(profile_path)
+    split = load_prompts(profile.data, profile.run.seed)
+    policy = load_policy(profile, prepare_frozen_base(profile, split.warm_task))
+    prompts = [it.prompt for it in split.train[:4] for _ in range(profile.rl.group_size)]
+    lengths = lengths_of("uniform", len(prompts), min(profile.rollout.max_new_tokens, 8 if smoke else 64),
+                         profile.run.seed)
+    sides = compare(policy, prompts, lengths, max(1, len(prompts) // 4), 1 if smoke else 3, profile.run.seed)
+    chunks, stream = torch.tensor(sides["chunks"]["logprobs"]), torch.tensor(sides["stream"]["logprobs"])
+    dtype = policy.model.get_input_embeddings().weight.dtype
+    bound = 64 * torch.finfo(dtype).eps * (1 + float(chunks.abs().max()))
+    diff = float((stream - chunks).abs().max())
+    return [("continuous batching", f"{len(prompts)} rows in {max(1, len(prompts) // 4)} slots: stream "
+             f"{sides['stream']['tokens_per_s']:.0f} tok/s ({sides['stream']['forwards']} forwards) against fixed "
+             f"batches {sides['chunks']['tokens_per_s']:.0f} ({sides['chunks']['forwards']}); log-prob difference "
+             f"{diff:.2e} (bound {bound:.2e})", "ok" if diff <= bound else "FAIL")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     settings.add_policy_arguments(parser)
@@ -56,49 +126,19 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    import torch
-
     profile, split, policy = settings.eval_policy(args)
     group = profile.rl.group_size
     items = [it for it in split.train for _ in range(group)][:args.rows]
-    ids, mask = policy.encode_prompts([it.prompt for it in items])
+    lengths = lengths_of(args.lengths, len(items), profile.rollout.max_new_tokens, profile.run.seed)
+    sides = compare(policy, [it.prompt for it in items], lengths, args.slots, args.reps, profile.run.seed)
     new = profile.rollout.max_new_tokens
-    lengths = lengths_of(args.lengths, len(items), new, profile.run.seed)
-    vocab = int(policy.model.config.vocab_size)
-    generator = torch.Generator().manual_seed(profile.run.seed)
-    completion = torch.randint(3, vocab, (len(items), new), generator=generator)
-    keep = (torch.arange(new)[None, :] < torch.tensor(lengths)[:, None]).long()
-    forwards = []
-    handle = policy.model.register_forward_pre_hook(lambda *a, **k: forwards.append(1), with_kwargs=True)
-    kw = dict(max_new_tokens=0, temperature=1.0, top_p=1.0, generator=None)
-
-    def chunks():
-        for start in range(0, len(items), args.slots):
-            rows = slice(start, start + args.slots)
-            policy.sample(ids[rows], mask[rows], forced=(completion[rows], keep[rows]), **kw)
-
-    def stream():
-        policy.sample_stream(ids, mask, slots=args.slots, forced=(completion, keep), **kw)
-
-    sides = {"chunks": chunks, "stream": stream}
-    rates: dict[str, list[float]] = {name: [] for name in sides}
-    calls: dict[str, int] = {}
-    for rep in range(args.reps + 1):
-        for name, fn in sides.items():
-            forwards.clear()
-            start = time.perf_counter()
-            fn()
-            seconds = time.perf_counter() - start
-            calls[name] = len(forwards)
-            if rep:  # the first run of each warms up
-                rates[name].append(sum(lengths) / seconds)
-    handle.remove()
     report = {"setting": args.setting, "sets": args.sets, "rows": len(items), "slots": args.slots,
               "lengths": args.lengths, "mean_length": statistics.mean(lengths), "max_new_tokens": new,
               "threads": args.threads, "reps": args.reps,
-              "sides": {name: {"tokens_per_s": statistics.median(r), "min": min(r), "max": max(r),
-                               "forwards": calls[name]} for name, r in rates.items()}}
+              "sides": sides}
     report["stream_over_chunks"] = report["sides"]["stream"]["tokens_per_s"] / report["sides"]["chunks"]["tokens_per_s"]
+    for side in sides.values():
+        del side["logprobs"]
     if args.json:
         print(json.dumps(report, indent=2))
         return

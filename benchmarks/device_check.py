@@ -5,7 +5,9 @@
 
 1. The CUDA train path on the tiny MoE (profiles/tiny-moe-cpu.yaml on one GPU: INT4 experts
    dequantized on the device, LoRA, DeepSpeed, the per-phase memory meter): steps, seconds per step,
-   held-out accuracy before and after, and each phase's measured peak against the plan.
+   held-out accuracy before and after, and each phase's measured peak against the plan; then the same policy streams
+   its rows through continuous batching (eager, on the device) against fixed batches: tokens/s, forwards and the kept
+   log-probs' difference.
 2. A real-width slice: a dense layer and MoE layer(s) at Kimi-K2 width (hidden 7168, routed experts
    of width 2048, INT4 group 32, random weights written by orbitctl.model.synthetic), trained for two
    steps on a long micro-batch; each phase's measured peak (torch.cuda.max_memory_allocated, and the
@@ -42,6 +44,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from continuous_batching import device_rows as stream_rows
 from memory_mechanics import chunked_loss_rows, offload_rows
 from phase_memory import memory_rows, print_rows, profile_file, slice_sets, train, write_slice
 
@@ -78,6 +81,7 @@ def main() -> None:
     rows.append(("tiny MoE train", f"{result['steps']} steps in {seconds:.0f} s; held-out {result['eval_before']} -> "
                                    f"{result['eval_after']}", "ok" if result["steps"] else "FAIL"))
     rows += memory_rows("tiny MoE", result["last_metrics"])
+    rows += stream_rows(path, args.smoke)  # continuous batching: the eager stream on the device against fixed batches
     rows += engine_rows(work, Path(result["run_dir"]), Path(result["adapter_dir"]), args.smoke)
 
     # 2. the real-width slice
