@@ -33,8 +33,12 @@ def cache_root() -> Path:
 
 
 def _quant_settings(profile) -> dict:
-    # compute_dtype as resolved here (auto -> bf16 or fp32): it is written into the checkpoint's config
-    return {**profile.quant.model_dump(mode="json"), "compute_dtype": cpu_dtype.compute_dtype_name(profile)}
+    # compute_dtype as resolved here (auto -> bf16 or fp32): it is written into the checkpoint's config; the INT4
+    # scales' significant bits: a cached base quantized with other scales is quantized again
+    from orbitctl.codec.formats import SCALE_BITS
+
+    return {**profile.quant.model_dump(mode="json"), "compute_dtype": cpu_dtype.compute_dtype_name(profile),
+            "int4_scale_bits": SCALE_BITS}
 
 
 def quantize_into(source: Path, out: Path, profile) -> None:

@@ -58,16 +58,40 @@ def unsupported_reason(shape: tuple[int, ...], spec: FormatSpec) -> str | None:
 
 # ----------------------------------------------------------------------------- INT4 (pack-quantized)
 
+SCALE_BITS = 5
+"""Significant bits an INT4 scale keeps. A code times its scale then has at most 3 + 5 = 8 significant bits
+(``|code| <= 8`` has at most 3), which bf16 holds exactly: the dequantized weight is the same number in bf16 as in
+float32, so a bf16 GEMM over it computes what the fused kernel computes (float32 accumulation of exact products)."""
+
+
+def round_scales(scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``scale`` rounded to :data:`SCALE_BITS` significant bits (to nearest), as bf16."""
+    mantissa, exponent = torch.frexp(scale.float())  # mantissa in [0.5, 1)
+    steps = 2.0 ** SCALE_BITS
+    return torch.ldexp(torch.round(mantissa * steps) / steps, exponent).to(torch.bfloat16)
+
+
+def scales_exact_in_bf16(scale: torch.Tensor) -> bool:
+    """Whether every INT4 weight of these scales is exactly a bf16 number: each scale has at most
+    :data:`SCALE_BITS` significant bits (checkpoints written by :func:`quantize_int4`; not GGUF Q4_0's fp16 scales
+    nor other tools' bf16 ones)."""
+    mantissa, _ = torch.frexp(scale.float())
+    scaled = mantissa * 2.0 ** SCALE_BITS
+    return bool(torch.equal(scaled, torch.round(scaled)))
+
+
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric group-wise INT4: (int8 codes in [-8, 7], bf16 scales [out, in/group]).
 
-    scale = absmax / 7.5 as compressed-tensors computes it; the codes are rounded against the
-    bf16-rounded scale that is stored, so dequantization reproduces exactly what was chosen.
+    scale = absmax / 7.5 as compressed-tensors computes it, rounded to :data:`SCALE_BITS` significant bits
+    (:func:`round_scales`: within 1/32 of it, so a group's largest weight is at most 7.75 steps, against 7.5
+    unrounded); the codes are rounded against the stored scale, so dequantization reproduces exactly
+    what was chosen.
     """
     out_f, in_f = weight.shape
     w = weight.float().reshape(out_f, in_f // group_size, group_size)
     absmax = w.abs().amax(dim=-1)
-    scale = (absmax / 7.5).to(torch.bfloat16)
+    scale = round_scales(absmax / 7.5)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     codes = torch.round(w / scale.float().unsqueeze(-1)).clamp_(-8, 7).to(torch.int8)
     return codes.reshape(out_f, in_f), scale

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from orbitctl.errors import InputFileError, UserError
+from orbitctl.model.decode_attention import use_decode_attention
 from orbitctl.model.mla import use_absorbed_mla
 from orbitctl.rundir import read_json
 
@@ -87,6 +88,8 @@ def load_frozen_base(quantized_dir: str | Path, *, device: str | torch.device = 
             module.support_avx512bf16_for_cpu = False
             # dequantize to the dtype asked for, not the one config.json was written with
             module.compute_dtype, module.compute_type_is_set = compute_dtype, True
+    if attention == "sdpa":  # a one-position decode query on the CPU skips the fused kernel's per-call cost
+        model.config._attn_implementation = use_decode_attention()
     use_absorbed_mla(model)  # MLA decodes on its cached latent (orbitctl.model.mla); other attention is unchanged
     model.eval()
     return model

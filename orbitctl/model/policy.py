@@ -217,17 +217,17 @@ class Policy:
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
         with torch.no_grad():
             mask = prompt_mask.clone()
-            fresh = new_kv_cache(kv_dtype or self.kv_dtype)  # None: the model starts its own
+            kv = kv_dtype or self.kv_dtype
+            fresh = new_kv_cache(kv, self.model.config, max_new_tokens)  # None: the model starts its own
             out, cache, logits, prompt_routes = self._prefill(prompt_ids, mask, fresh, keep_hidden=keep_hidden)
             if self.routing is not None:
                 self.routing.record()  # decode step t feeds token t-1: its experts are that token's
             next_pos = mask.sum(-1, keepdim=True)
-            kv = kv_dtype or self.kv_dtype
             if static is None:
                 static = graphs_apply(self.decode_graphs, device.type, kv_dtype=kv, keep_hidden=keep_hidden)
             stepper = None
             if static and max_new_tokens > 1:
-                if keep_hidden or fresh is not None:
+                if keep_hidden or kv != "bf16":
                     raise ValueError("the static decode step keeps neither hidden states nor a float8 KV cache")
                 stepper = StaticDecode(self.model, self._cache_kw, cache, mask, next_pos, max_new_tokens - 1,
                                        capture=device.type == "cuda", routing=self.routing)
@@ -349,7 +349,7 @@ class Policy:
                 if self.lockstep.rounds(len(admit)):  # any rank admits: every rank prefills (a filler where none)
                     ids, m = (prompt_ids[admit], prompt_mask[admit]) if admit else self.filler()
                     ids, m = ids.to(device), m.to(device)
-                    _, new_cache, new_logits, routes = self._prefill(ids, m, new_kv_cache(kv))
+                    _, new_cache, new_logits, routes = self._prefill(ids, m, new_kv_cache(kv, self.model.config, max_new_tokens))
                     if admit:
                         if routes is not None:
                             prompt_routes[admit] = routes

@@ -24,6 +24,14 @@ by the matmul that follows; autograd never saves it (the backward dequantizes ag
 ``quant.kernel: fused`` (:mod:`orbitctl.model.int4_kernel`): an INT4 layer given a kernel pack
 (:meth:`QuantLinear.use_fused_kernel`) runs its forward through PyTorch's weight-only INT4 kernel, in
 every path (rollout, train, reference), and only the backward dequantizes.
+
+Many rows on a CPU with native bf16 (:func:`dense_rows`): there the kernel multiplies in float32 (about 170
+GFLOP/s on two AVX512-BF16 cores) where a bf16 GEMM runs at 330-430. A layer whose weights are exact in bf16
+(scales of at most :data:`~orbitctl.codec.formats.SCALE_BITS` significant bits, what ``orbitctl quantize``
+writes) then dequantizes its weight once into the workspace and runs one bf16 GEMM: the same exact products
+of the bf16-rounded activations and weights, accumulated in float32 and rounded once to bf16, as the kernel
+computes them, in another order. Below :data:`DENSE_ROWS` rows (the decode) the dequantization costs more
+than the GEMM saves, and the kernel runs.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from orbitctl.codec.formats import dequantize_fp8_blocks, dequantize_int4, dequantize_int4_into
+from orbitctl.codec.formats import dequantize_fp8_blocks, dequantize_int4, dequantize_int4_into, scales_exact_in_bf16
 from orbitctl.model.expert_lora import experts_by_row
 from orbitctl.model.grouped_int4 import takes_lora
 from orbitctl.model.int4_kernel import Int4Pack
@@ -87,6 +95,23 @@ def _kernel_input(x: torch.Tensor) -> bool:
     return not any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack())
 
 
+DENSE_ROWS = 256
+"""Rows from which a fused INT4 layer with weights exact in bf16 runs one bf16 GEMM instead of the kernel, where
+the CPU has native bf16 (:func:`dense_rows`). Measured on two AVX512-BF16 cores, a 4096 x 768 weight: the
+dequantization costs about as much as the kernel's extra time over a bf16 GEMM at 128-256 rows
+(``benchmarks/cpu_kernels.py``)."""
+
+
+def dense_rows(x: torch.Tensor, in_features: int) -> bool:
+    """Whether ``x``'s rows go through the dequantized bf16 GEMM rather than the fused kernel: at least
+    :data:`DENSE_ROWS` of them, on a CPU whose bf16 matmuls are native (not under the AVX2 cap)."""
+    if x.numel() < DENSE_ROWS * in_features:
+        return False
+    from orbitctl.model.cpu_dtype import host_bf16
+
+    return host_bf16().native
+
+
 def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
@@ -120,13 +145,23 @@ class QuantLinear(nn.Module):
         self.kernel_pack: Int4Pack | None = None
         """The weight in the fused kernel's layout (``quant.kernel: fused``): a plain attribute, so neither the
         state dict, nor ZeRO, nor ``.to()`` sees it; None: dequantize-then-matmul."""
+        self.exact_in_bf16 = False
+        """Whether every weight of this (fused) layer is exactly a bf16 number, so many rows may take the bf16 GEMM."""
 
     def use_fused_kernel(self) -> int:
         """Repack this INT4 layer's loaded weight for the fused kernel; returns the bytes the pack holds."""
         if self.fmt != "int4":
             raise ValueError("the fused kernel takes INT4 weights")
         self.kernel_pack = Int4Pack.of(self.weight_packed, self.weight_scale)
+        self.exact_in_bf16 = scales_exact_in_bf16(self.weight_scale)
         return self.kernel_pack.nbytes()
+
+    def fused_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T as the fused kernel computes it (bf16-rounded, in x's dtype): through the kernel, or for many rows
+        of weights exact in bf16 one bf16 GEMM over the dequantized weight (see the module's docstring)."""
+        if self.exact_in_bf16 and dense_rows(x, self.in_features):
+            return nn.functional.linear(x.to(torch.bfloat16), self.matmul_weight(torch.bfloat16)).to(x.dtype)
+        return self.kernel_pack.matmul(x)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The dense [out, in] weight this layer stands for (a fresh tensor)."""
@@ -148,7 +183,7 @@ class QuantLinear(nn.Module):
         fused = self.kernel_pack is not None and _kernel_input(x)
         if not (torch.is_grad_enabled() and x.requires_grad):
             if fused:
-                y = self.kernel_pack.matmul(x)
+                y = self.fused_matmul(x)
                 return y + bias if bias is not None else y
             return nn.functional.linear(x, self.matmul_weight(x.dtype), bias)
         return (_FusedLinear if fused else _DequantLinear).apply(x, self, bias)
@@ -181,7 +216,7 @@ class _FusedLinear(_DequantLinear):
     @staticmethod
     def forward(ctx, x, layer, bias):
         ctx.layer = layer
-        y = layer.kernel_pack.matmul(x)
+        y = layer.fused_matmul(x)
         return y + bias if bias is not None else y
 
 
@@ -201,7 +236,17 @@ class ExpertMLP(nn.Module):
         gate.kernel_pack = up.kernel_pack = None
         self.gate_up_pack = Int4Pack.of(torch.cat([gate.weight_packed, up.weight_packed]),
                                         torch.cat([gate.weight_scale, up.weight_scale]))
+        gate.exact_in_bf16 = scales_exact_in_bf16(gate.weight_scale)
+        up.exact_in_bf16 = scales_exact_in_bf16(up.weight_scale)
         return self.gate_up_pack.nbytes()
+
+    def fused_gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        """``[gate(x), up(x)]`` through the shared pack, or for many rows of weights exact in bf16 each projection's
+        bf16 GEMM (:meth:`QuantLinear.fused_matmul`), one after the other (they share the workspace)."""
+        gate, up = self.gate_proj, self.up_proj
+        if gate.exact_in_bf16 and up.exact_in_bf16 and dense_rows(x, gate.in_features):
+            return torch.cat([gate.fused_matmul(x), up.fused_matmul(x)], dim=-1)
+        return self.gate_up_pack.matmul(x)
 
     def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(gate(x), up(x))``: through the shared pack where there is one, else each projection."""
@@ -210,7 +255,7 @@ class ExpertMLP(nn.Module):
         if torch.is_grad_enabled() and x.requires_grad:
             both = _FusedGateUp.apply(x, self)
         else:
-            both = self.gate_up_pack.matmul(x)
+            both = self.fused_gate_up(x)
         width = self.gate_proj.out_features
         return both[..., :width], both[..., width:]
 
@@ -222,7 +267,7 @@ class _FusedGateUp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, expert):
         ctx.expert = expert
-        return expert.gate_up_pack.matmul(x)
+        return expert.fused_gate_up(x)
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -48,23 +48,30 @@ KERNEL_ROWS = (1, 4, 16, 64, 256, 1024)
 
 
 def kernel_rates(torch, shape: tuple[int, int, int], group_size: int) -> list[tuple[int, float]]:
-    """``(rows, FLOP/s)`` of the fused INT4 kernel (:class:`~orbitctl.model.int4_kernel.Int4Pack`) on a random
-    [n, k] INT4 weight in groups of ``group_size``, at :data:`KERNEL_ROWS` up to the update's ``m`` rows and at
-    ``m``; each the best of three runs."""
-    from orbitctl.model.int4_kernel import Int4Pack, unsupported_shape
+    """``(rows, FLOP/s)`` of a fused INT4 layer's forward (:meth:`~orbitctl.model.quant_linear.QuantLinear.fused_matmul`:
+    the kernel, or from :data:`~orbitctl.model.quant_linear.DENSE_ROWS` rows on a CPU with native bf16 the
+    dequantized bf16 GEMM) on a random [n, k] INT4 weight in groups of ``group_size``, its scales as
+    ``orbitctl quantize`` writes them, at :data:`KERNEL_ROWS` up to the update's ``m`` rows and at ``m``; each the
+    best of three runs."""
+    from orbitctl.codec.formats import round_scales
+    from orbitctl.model.int4_kernel import unsupported_shape
+    from orbitctl.model.quant_linear import QuantLinear
 
     m, k, n = shape
     if unsupported_shape(n, k, group_size) is not None:
         return []  # the model's layers of this shape dequantize too
     generator = torch.Generator().manual_seed(0)
-    words = torch.randint(-2**31, 2**31 - 1, (n, k // 8), generator=generator, dtype=torch.int32)
-    scale = (torch.rand(n, k // group_size, generator=generator) * 0.02 + 0.001).to(torch.bfloat16)
-    pack = Int4Pack.of(words, scale)
+    layer = QuantLinear(k, n, "int4", group_size=group_size)
+    with torch.no_grad():
+        layer.weight_packed.copy_(torch.randint(-2**31, 2**31 - 1, (n, k // 8), generator=generator, dtype=torch.int32))
+        layer.weight_scale.copy_(round_scales(torch.rand(n, k // group_size, generator=generator) * 0.02 + 0.001))
+    layer.use_fused_kernel()
     rates = []
-    for rows in sorted({r for r in KERNEL_ROWS if r < m} | {m}):
-        x = torch.randn(rows, k, generator=generator)
-        pack.matmul(x)
-        rates.append((rows, 2 * rows * k * n / _best_of(lambda: pack.matmul(x), repeats=3)))
+    with torch.no_grad():
+        for rows in sorted({r for r in KERNEL_ROWS if r < m} | {m}):
+            x = torch.randn(rows, k, generator=generator)
+            layer.fused_matmul(x)
+            rates.append((rows, 2 * rows * k * n / _best_of(lambda: layer.fused_matmul(x), repeats=3)))
     return rates
 
 

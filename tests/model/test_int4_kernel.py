@@ -246,3 +246,98 @@ def test_the_dry_run_says_which_kernel_train_builds_and_the_packs_planned():
     assert gpu["int4_kernel"] == "fused" and gpu["int4_kernel_pack_bytes"] == 0
     off = dry_run(load_profile(ROOT / "profiles" / "kimi-k2_grpo_int4_8xh200.yaml", ["quant.kernel=dequantize"])).memory
     assert off["int4_kernel"] == "dequantize" and off["int4_kernel_pack_bytes"] == 0
+
+
+def test_quantized_scales_keep_five_significant_bits_so_every_weight_is_a_bf16_number():
+    from orbitctl.codec.formats import SCALE_BITS, round_scales, scales_exact_in_bf16
+
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(5)) * 0.05
+    codes, scale = quantize_int4(w, 32)
+    assert scales_exact_in_bf16(scale)
+    dense = dequantize_int4(pack_int4(codes), scale, 256, torch.float32)
+    assert torch.equal(dense, dense.to(torch.bfloat16).float())  # code x scale is exact in bf16
+    unrounded = w.reshape(64, 8, 32).abs().amax(-1) / 7.5
+    _, exponent = torch.frexp(unrounded)  # unrounded = m 2^e, m in [0.5, 1): 5 bits of m are steps of 2^(e-5)
+    half_step = torch.ldexp(torch.ones_like(unrounded), exponent - SCALE_BITS - 1)
+    assert bool(((scale.float() - unrounded).abs() <= half_step).all())  # rounded to the nearest
+    assert torch.equal(round_scales(scale.float()), scale)
+    # scales with a bf16's full 8 bits (another tool's checkpoint) or fp16's are not exact: their layers keep the kernel
+    assert not scales_exact_in_bf16(unrounded.to(torch.bfloat16))
+    assert not scales_exact_in_bf16(_weight(96, 256, scale_dtype=torch.float16)[1])
+
+
+def _dense_layer(out_f: int, in_f: int, scale_dtype=torch.bfloat16) -> QuantLinear:
+    packed, scale = _weight(out_f, in_f, scale_dtype=scale_dtype)
+    layer = QuantLinear(in_f, out_f, "int4", group_size=32)
+    layer.weight_packed.data, layer.weight_scale.data = packed, scale
+    layer.use_fused_kernel()
+    return layer
+
+
+def _native_bf16(monkeypatch, native: bool) -> None:
+    from orbitctl.model import cpu_dtype
+
+    monkeypatch.setattr(cpu_dtype, "host_bf16", lambda: cpu_dtype.Bf16Verdict(native, "as the test says"))
+
+
+def _ops(fn) -> dict[str, int]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: dict[str, int] = {}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            seen[name] = seen.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return seen
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_many_rows_on_native_bf16_take_one_bf16_gemm_computing_what_the_kernel_computes(monkeypatch, grad):
+    from orbitctl.model import quant_linear
+
+    _native_bf16(monkeypatch, True)
+    layer = _dense_layer(96, 256)
+    assert layer.exact_in_bf16
+    rows = quant_linear.DENSE_ROWS
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(6)).requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        ops = _ops(lambda: layer(x))
+        y = layer(x)
+    assert ops.get("mm", 0) == 1 and "_weight_int4pack_mm_for_cpu" not in ops
+    dense = layer.dequantized_weight(torch.float32)
+    exact, bound = _bound(x.detach(), dense)
+    assert bool(((y.detach().double() - exact).abs() <= bound).all())  # the kernel's contract, the same bound
+    kernel = layer.kernel_pack.matmul(x.detach())
+    # the two sum the same exact products in float32 in another order: at most one bf16 step apart
+    assert bool(((y.detach() - kernel).abs() <= 2 * BF16_HALF_ULP * kernel.abs() + 2.0 ** -126).all())
+    if grad:
+        g = torch.randn_like(y)
+        y.backward(g)
+        assert torch.equal(x.grad, g @ dense)  # the backward is the reference's, as before
+    # one row fewer, or a CPU whose bf16 is emulated, or scales not exact in bf16: the kernel
+    with torch.no_grad():
+        assert "_weight_int4pack_mm_for_cpu" in _ops(lambda: layer(x.detach()[:rows - 1]))
+        assert "_weight_int4pack_mm_for_cpu" in _ops(lambda: _dense_layer(96, 256, torch.float16)(x.detach()))
+        _native_bf16(monkeypatch, False)
+        assert "_weight_int4pack_mm_for_cpu" in _ops(lambda: layer(x.detach()))
+
+
+def test_an_experts_shared_gate_up_pack_takes_the_dense_gemm_for_many_rows(monkeypatch):
+    from orbitctl.model import quant_linear
+
+    _native_bf16(monkeypatch, True)
+    expert = ExpertMLP(_dense_layer(64, 128), _dense_layer(64, 128), _dense_layer(128, 64))
+    expert.use_fused_gate_up()
+    x = torch.randn(quant_linear.DENSE_ROWS, 128, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ops = _ops(lambda: expert.gate_up(x))
+        gate, up = expert.gate_up(x)
+        shared = expert.gate_up_pack.matmul(x)
+    assert ops.get("mm", 0) == 2 and "_weight_int4pack_mm_for_cpu" not in ops
+    both = torch.cat([gate, up], -1)
+    assert bool(((both - shared).abs() <= 2 * BF16_HALF_ULP * shared.abs() + 2.0 ** -126).all())

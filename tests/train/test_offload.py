@@ -14,6 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from orbitctl.model.decode_attention import DECODE_SDPA  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -221,7 +223,7 @@ def _one_update(profile, policy, split) -> list[bool]:
 
 def test_eager_attention_is_loaded_agrees_across_paths_and_trains(small_profile):
     fused, _ = _policy(small_profile())
-    assert fused.model.config._attn_implementation == "sdpa"
+    assert fused.model.config._attn_implementation == DECODE_SDPA  # SDPA, the CPU decode written out
     profile = small_profile("eager", **{"memory.flash_attention": False})
     eager, split = _policy(profile)
     assert eager.model.config._attn_implementation == "eager"
