@@ -25,13 +25,13 @@ by the matmul that follows; autograd never saves it (the backward dequantizes ag
 (:meth:`QuantLinear.use_fused_kernel`) runs its forward through PyTorch's weight-only INT4 kernel, in
 every path (rollout, train, reference), and only the backward dequantizes.
 
-Many rows on a CPU with native bf16 (:func:`dense_rows`): there the kernel multiplies in float32 (about 170
-GFLOP/s on two AVX512-BF16 cores) where a bf16 GEMM runs at 330-430. A layer whose weights are exact in bf16
-(scales of at most :data:`~orbitctl.codec.formats.SCALE_BITS` significant bits, what ``orbitctl quantize``
-writes) then dequantizes its weight once into the workspace and runs one bf16 GEMM: the same exact products
-of the bf16-rounded activations and weights, accumulated in float32 and rounded once to bf16, as the kernel
-computes them, in another order. Below :data:`DENSE_ROWS` rows (the decode) the dequantization costs more
-than the GEMM saves, and the kernel runs.
+Whole sequences on a CPU with native bf16 (:func:`dense_gemm_applies`): there the kernel multiplies in float32
+(about 170 GFLOP/s on two AVX512-BF16 cores) where a bf16 GEMM runs at 330-430. A layer whose weights are exact in
+bf16 (scales of at most :data:`~orbitctl.codec.formats.SCALE_BITS` significant bits, what ``orbitctl quantize``
+writes) then dequantizes its weight once into the workspace and runs one bf16 GEMM: the same exact products of
+the bf16-rounded activations and weights, accumulated in float32 and rounded once to bf16, as the kernel computes
+them, in another order. A decode step (a few rows) keeps the kernel: there the dequantization costs more than
+the GEMM saves.
 """
 
 from __future__ import annotations
@@ -96,16 +96,23 @@ def _kernel_input(x: torch.Tensor) -> bool:
 
 
 DENSE_ROWS = 256
-"""Rows from which a fused INT4 layer with weights exact in bf16 runs one bf16 GEMM instead of the kernel, where
-the CPU has native bf16 (:func:`dense_rows`). Measured on two AVX512-BF16 cores, a 4096 x 768 weight: the
-dequantization costs about as much as the kernel's extra time over a bf16 GEMM at 128-256 rows
-(``benchmarks/cpu_kernels.py``)."""
+"""Rows from which a fused INT4 layer with weights exact in bf16 runs one bf16 GEMM instead of the kernel on an
+input without a positions axis (a routed expert's rows; :func:`dense_gemm_applies`). Measured on two AVX512-BF16
+cores, a 4096 x 768 weight: the dequantization costs about as much as the kernel's extra time over a bf16 GEMM
+at 128 rows, 1.44x the kernel's speed at 256, 2.18x at 3,584."""
 
 
-def dense_rows(x: torch.Tensor, in_features: int) -> bool:
-    """Whether ``x``'s rows go through the dequantized bf16 GEMM rather than the fused kernel: at least
-    :data:`DENSE_ROWS` of them, on a CPU whose bf16 matmuls are native (not under the AVX2 cap)."""
-    if x.numel() < DENSE_ROWS * in_features:
+def dense_gemm_applies(x: torch.Tensor, in_features: int) -> bool:
+    """Whether ``x`` goes through the dequantized bf16 GEMM rather than the fused kernel, on a CPU whose bf16 matmuls
+    are native (not under the AVX2 cap): a forward over whole sequences (``[batch, positions, features]`` with more
+    than one position: a prefill, the train path and its recompute), never a decode step (one position); an input
+    without a positions axis from :data:`DENSE_ROWS` rows.
+
+    Decided by the forward's kind rather than its row count, so that a prompt prefilled once for its group and the
+    same prompt prefilled in a batch of 32 (transformers' ``generate``) take the same path, and so do a forward and
+    its recompute."""
+    many = x.shape[-2] > 1 if x.dim() >= 3 else x.numel() >= DENSE_ROWS * in_features
+    if not many:
         return False
     from orbitctl.model.cpu_dtype import host_bf16
 
@@ -159,7 +166,7 @@ class QuantLinear(nn.Module):
     def fused_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T as the fused kernel computes it (bf16-rounded, in x's dtype): through the kernel, or for many rows
         of weights exact in bf16 one bf16 GEMM over the dequantized weight (see the module's docstring)."""
-        if self.exact_in_bf16 and dense_rows(x, self.in_features):
+        if self.exact_in_bf16 and dense_gemm_applies(x, self.in_features):
             return nn.functional.linear(x.to(torch.bfloat16), self.matmul_weight(torch.bfloat16)).to(x.dtype)
         return self.kernel_pack.matmul(x)
 
@@ -244,7 +251,7 @@ class ExpertMLP(nn.Module):
         """``[gate(x), up(x)]`` through the shared pack, or for many rows of weights exact in bf16 each projection's
         bf16 GEMM (:meth:`QuantLinear.fused_matmul`), one after the other (they share the workspace)."""
         gate, up = self.gate_proj, self.up_proj
-        if gate.exact_in_bf16 and up.exact_in_bf16 and dense_rows(x, gate.in_features):
+        if gate.exact_in_bf16 and up.exact_in_bf16 and dense_gemm_applies(x, gate.in_features):
             return torch.cat([gate.fused_matmul(x), up.fused_matmul(x)], dim=-1)
         return self.gate_up_pack.matmul(x)
 

@@ -341,3 +341,20 @@ def test_an_experts_shared_gate_up_pack_takes_the_dense_gemm_for_many_rows(monke
     assert ops.get("mm", 0) == 2 and "_weight_int4pack_mm_for_cpu" not in ops
     both = torch.cat([gate, up], -1)
     assert bool(((both - shared).abs() <= 2 * BF16_HALF_ULP * shared.abs() + 2.0 ** -126).all())
+
+
+def test_whole_sequences_take_the_dense_gemm_whatever_their_rows_and_decode_steps_keep_the_kernel(monkeypatch):
+    """By the forward's kind: a group's prompt prefilled once and the same prompt in a batch of 32 take one path."""
+    from orbitctl.model.cpu_dtype import host_bf16
+
+    native = host_bf16().native  # where the dense path runs for real, a row's result is the same in any batch
+    _native_bf16(monkeypatch, True)
+    layer = _dense_layer(96, 256)
+    g = torch.Generator().manual_seed(8)
+    prompt, steps = torch.randn(2, 3, 256, generator=g), torch.randn(40, 1, 256, generator=g)
+    with torch.no_grad():
+        assert "_weight_int4pack_mm_for_cpu" not in _ops(lambda: layer(prompt))  # 6 rows, 3 positions each
+        assert "_weight_int4pack_mm_for_cpu" in _ops(lambda: layer(steps))  # 40 rows of one position
+        alone, batched = layer(prompt[:1]), layer(torch.cat([prompt] * 16))
+    if native:
+        assert torch.equal(alone[0], batched[0])
