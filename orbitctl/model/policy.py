@@ -349,7 +349,8 @@ class Policy:
                 if self.lockstep.rounds(len(admit)):  # any rank admits: every rank prefills (a filler where none)
                     ids, m = (prompt_ids[admit], prompt_mask[admit]) if admit else self.filler()
                     ids, m = ids.to(device), m.to(device)
-                    _, new_cache, new_logits, routes = self._prefill(ids, m, new_kv_cache(kv, self.model.config, max_new_tokens))
+                    fresh = new_kv_cache(kv, self.model.config, max_new_tokens)
+                    _, new_cache, new_logits, routes = self._prefill(ids, m, fresh)
                     if admit:
                         if routes is not None:
                             prompt_routes[admit] = routes

@@ -88,9 +88,10 @@ def _plain_cpu(t: torch.Tensor) -> bool:
 
 
 def _kernel_input(x: torch.Tensor) -> bool:
-    """Whether ``x`` can go through the fused kernel: a real CPU tensor, in eager mode, no fake-tensor mode active
-    (the planner's shadow runs); other dispatch modes (an op counter, a memory tracker) see the kernel run."""
-    if torch.compiler.is_compiling() or x.device.type != "cpu" or type(x) not in (torch.Tensor, nn.Parameter):
+    """Whether ``x`` can go through the fused kernel: a real CPU or CUDA tensor (the pack is the device's: the CPU
+    kernel's or tinygemm's), in eager mode, no fake-tensor mode active (the planner's shadow runs); other dispatch
+    modes (an op counter, a memory tracker) see the kernel run."""
+    if torch.compiler.is_compiling() or x.device.type not in ("cpu", "cuda") or type(x) not in (torch.Tensor, nn.Parameter):
         return False
     return not any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack())
 
@@ -104,7 +105,7 @@ at 128 rows, 1.44x the kernel's speed at 256, 2.18x at 3,584."""
 
 def dense_gemm_applies(x: torch.Tensor, in_features: int) -> bool:
     """Whether ``x`` goes through the dequantized bf16 GEMM rather than the fused kernel, on a CPU whose bf16 matmuls
-    are native (not under the AVX2 cap): a forward over whole sequences (``[batch, positions, features]`` with more
+    are native (not under the AVX2 cap; a GPU keeps its kernel): a forward over whole sequences (``[batch, positions, features]`` with more
     than one position: a prefill, the train path and its recompute), never a decode step (one position); an input
     without a positions axis from :data:`DENSE_ROWS` rows.
 
@@ -112,7 +113,7 @@ def dense_gemm_applies(x: torch.Tensor, in_features: int) -> bool:
     same prompt prefilled in a batch of 32 (transformers' ``generate``) take the same path, and so do a forward and
     its recompute."""
     many = x.shape[-2] > 1 if x.dim() >= 3 else x.numel() >= DENSE_ROWS * in_features
-    if not many:
+    if not many or x.device.type != "cpu":
         return False
     from orbitctl.model.cpu_dtype import host_bf16
 
