@@ -21,7 +21,9 @@
    (quant.kernel: fused) against the same experts dequantized one by one, greedy decode tokens/s of each, the grouped
    kernel's largest difference from the dequantizing path on one layer, and the tokens/s the time model predicts for
    the same decode (`orbitctl plan`'s rollout decode of a profile of the slice), and CUDA's tinygemm on a random
-   INT4 weight of the slice's width (row independence, difference from the dequantized product). The grouped decode runs
+   INT4 weight of the slice's width (row independence, difference from the dequantized product), and a fused INT4
+   layer's own forward at a decode step's 32 rows and at an update's 4,096 (which kernel the layer runs, its GFLOP/s
+   against the bf16 GEMM on the dense weight: tinygemm's rate where the update runs it). The grouped decode runs
    twice: eager, and on the static step replayed from a CUDA graph (rollout.decode_graphs, what train's rollout runs on
    a GPU), each against the plan's prediction for it (decode_graphs false and auto), with the graphed greedy tokens
    against the eager ones.

@@ -176,6 +176,67 @@ def tinygemm_row(hidden: int) -> tuple[str, str, str]:
             "ok" if independent and rel < 2 ** -6 else "FAIL")
 
 
+def fused_layer_rows(hidden: int, device: str, *, decode_rows: int = 32, sequence_rows: int = 4096
+                     ) -> list[tuple[str, str, str]]:
+    """A fused INT4 layer ([4 hidden, hidden], scales as ``orbitctl quantize`` writes them) through its own forward,
+    as the model runs it: which ops a decode step ([rows, 1, hidden]) and a whole-sequence forward ([1, rows, hidden])
+    issue (the device's INT4 kernel, or a GEMM over the dequantized weight), and each one's GFLOP/s against a
+    bf16 GEMM on the dense weight, best of 3. On a GPU this is tinygemm at the decode's rows and at an update's."""
+    import time
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from orbitctl.codec.formats import pack_int4, quantize_int4
+    from orbitctl.model.quant_linear import QuantLinear
+
+    g = torch.Generator().manual_seed(0)
+    codes, scale = quantize_int4(torch.randn(4 * hidden, hidden, generator=g) * 0.02, 32)
+    layer = QuantLinear(hidden, 4 * hidden, "int4", group_size=32).to(device)
+    with torch.no_grad():
+        layer.weight_packed.copy_(pack_int4(codes).to(device))
+        layer.weight_scale.copy_(scale.to(device))
+    layer.use_fused_kernel()
+    dense = layer.dequantized_weight(torch.bfloat16)
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    rows = []
+    for label, shape in (("decode step", (decode_rows, 1, hidden)), ("whole sequence", (1, sequence_rows, hidden))):
+        x = torch.randn(*shape, generator=g).to(device, torch.bfloat16)
+        with torch.no_grad():
+            ops = Ops()
+            with ops:
+                layer(x)
+            kernel = sorted(n for n in ops.names if "int4pack" in n or n in ("mm", "addmm", "bmm"))
+            flops = 2 * x.numel() * 4 * hidden
+            ours, gemm = flops / best(lambda: layer(x)) / 1e9, flops / best(lambda: x @ dense.t()) / 1e9
+        rows.append((f"fused INT4 layer, {label} ({x.numel() // hidden} rows)",
+                     f"{', '.join(kernel)}: {ours:.1f} GFLOP/s against {gemm:.1f} for the bf16 GEMM ({ours / gemm:.2f}x)",
+                     "ok" if kernel else "FAIL"))
+    return rows
+
+
 def decode_rows(model_dir: Path, profile_path: Path, device: str, *, batch: int, new: int,
                 prompt_len: int = 16) -> list[tuple[str, str, str]]:
     """benchmarks/device_check.py's decode step: ``model_dir`` (an INT4 MoE) on ``device`` decoded greedy with its
@@ -207,6 +268,7 @@ def decode_rows(model_dir: Path, profile_path: Path, device: str, *, batch: int,
                      "ok" if rel < 2 ** -6 else "FAIL"))
     if device == "cuda":  # the dense INT4 kernel (tinygemm): the slice's dense part is bf16, so check it on its own
         rows.append(tinygemm_row(model.config.hidden_size))
+    rows += fused_layer_rows(model.config.hidden_size, device, sequence_rows=4096 if device == "cuda" else 512)
     prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(device)
     measured, tokens = {}, {}
