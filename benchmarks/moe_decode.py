@@ -185,10 +185,10 @@ def fused_layer_rows(hidden: int, device: str, *, decode_rows: int = 32, sequenc
     import time
 
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from orbitctl.codec.formats import pack_int4, quantize_int4
     from orbitctl.model.quant_linear import QuantLinear
+    from orbitctl.rl.steptime import dispatched_ops
 
     g = torch.Generator().manual_seed(0)
     codes, scale = quantize_int4(torch.randn(4 * hidden, hidden, generator=g) * 0.02, 32)
@@ -198,15 +198,6 @@ def fused_layer_rows(hidden: int, device: str, *, decode_rows: int = 32, sequenc
         layer.weight_scale.copy_(scale.to(device))
     layer.use_fused_kernel()
     dense = layer.dequantized_weight(torch.bfloat16)
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names: set[str] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     def best(fn) -> float:
         fn()
@@ -225,10 +216,8 @@ def fused_layer_rows(hidden: int, device: str, *, decode_rows: int = 32, sequenc
     for label, shape in (("decode step", (decode_rows, 1, hidden)), ("whole sequence", (1, sequence_rows, hidden))):
         x = torch.randn(*shape, generator=g).to(device, torch.bfloat16)
         with torch.no_grad():
-            ops = Ops()
-            with ops:
-                layer(x)
-            kernel = sorted(n for n in ops.names if "int4pack" in n or n in ("mm", "addmm", "bmm"))
+            ops = dispatched_ops(torch, lambda: layer(x))
+            kernel = sorted(n for n in ops if "int4pack" in n or n in ("mm", "addmm", "bmm"))
             flops = 2 * x.numel() * 4 * hidden
             ours, gemm = flops / best(lambda: layer(x)) / 1e9, flops / best(lambda: x @ dense.t()) / 1e9
         rows.append((f"fused INT4 layer, {label} ({x.numel() // hidden} rows)",

@@ -25,7 +25,8 @@ dropout, the planner's fake tensors and compiled graphs.
 from __future__ import annotations
 
 import torch
-from torch import nn
+
+from orbitctl.model.quant_linear import real_eager
 
 DECODE_SDPA = "orbitctl_sdpa"
 """The ``attn_implementation`` name: SDPA, with :func:`decode_attention` for the CPU's one-position queries."""
@@ -56,18 +57,6 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out.to(query.dtype).reshape(batch, heads, 1, value.shape[-1])
 
 
-def _plain_eager_cpu(t: torch.Tensor) -> bool:
-    """A real CPU tensor outside autograd, tracing and fake-tensor modes: where the written-out decode runs."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    if torch.compiler.is_compiling() or t.device.type != "cpu" or type(t) not in (torch.Tensor, nn.Parameter):
-        return False
-    if torch.is_grad_enabled() and t.requires_grad:
-        return False
-    return not any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack())
-
-
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
               is_causal: bool | None = None, **kwargs):
     """transformers' attention-function interface: :func:`decode_attention` for a one-position CPU query, else
@@ -75,7 +64,8 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     plain = (query.shape[2] == 1 and not dropout and kwargs.get("position_bias") is None
-             and kwargs.get("softcap") is None and _plain_eager_cpu(query))
+             and kwargs.get("softcap") is None and query.device.type == "cpu"
+             and not (torch.is_grad_enabled() and query.requires_grad) and real_eager(query))
     if not plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)

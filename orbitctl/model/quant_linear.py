@@ -44,6 +44,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from orbitctl.codec.formats import dequantize_fp8_blocks, dequantize_int4, dequantize_int4_into, scales_exact_in_bf16
+from orbitctl.model import cpu_dtype
 from orbitctl.model.expert_lora import experts_by_row
 from orbitctl.model.grouped_int4 import takes_lora
 from orbitctl.model.int4_kernel import Int4Pack
@@ -87,13 +88,18 @@ def _plain_cpu(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and type(t) in (torch.Tensor, nn.Parameter) and _get_current_dispatch_mode() is None
 
 
-def _kernel_input(x: torch.Tensor) -> bool:
-    """Whether ``x`` can go through the fused kernel: a real CPU or CUDA tensor (the pack is the device's: the CPU
-    kernel's or tinygemm's), in eager mode, no fake-tensor mode active (the planner's shadow runs); other dispatch
-    modes (an op counter, a memory tracker) see the kernel run."""
-    if torch.compiler.is_compiling() or x.device.type not in ("cpu", "cuda") or type(x) not in (torch.Tensor, nn.Parameter):
+def real_eager(x: torch.Tensor) -> bool:
+    """A real tensor in eager mode: not traced or compiled, not a subclass, no fake-tensor mode active (the planner's
+    shadow runs); other dispatch modes (an op counter, a memory tracker) see what runs on real tensors."""
+    if torch.compiler.is_compiling() or type(x) not in (torch.Tensor, nn.Parameter):
         return False
     return not any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack())
+
+
+def _kernel_input(x: torch.Tensor) -> bool:
+    """Whether ``x`` can go through the fused kernel: a :func:`real_eager` CPU or CUDA tensor (the pack is the
+    device's: the CPU kernel's or tinygemm's)."""
+    return x.device.type in ("cpu", "cuda") and real_eager(x)
 
 
 DENSE_ROWS = 256
@@ -113,11 +119,7 @@ def dense_gemm_applies(x: torch.Tensor, in_features: int) -> bool:
     same prompt prefilled in a batch of 32 (transformers' ``generate``) take the same path, and so do a forward and
     its recompute."""
     many = x.shape[-2] > 1 if x.dim() >= 3 else x.numel() >= DENSE_ROWS * in_features
-    if not many or x.device.type != "cpu":
-        return False
-    from orbitctl.model.cpu_dtype import host_bf16
-
-    return host_bf16().native
+    return many and x.device.type == "cpu" and cpu_dtype.host_bf16().native
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:

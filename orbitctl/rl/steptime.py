@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import Counter
+
 
 def _best_of(fn, repeats: int = 5) -> float:
     best = float("inf")
@@ -101,20 +103,26 @@ def _op_stack(torch, dtype):
     return torch.nn.Sequential(*[Block() for _ in range(OP_BLOCKS)]).to(dtype)
 
 
-def count_ops(torch, fn) -> int:
-    """Operators ``fn()`` dispatches (ATen ops below autograd, as the plan counts them)."""
+def dispatched_ops(torch, fn) -> Counter:
+    """How many times ``fn()`` dispatches each operator (ATen ops below autograd, by name: ``mm``,
+    ``_weight_int4pack_mm_for_cpu``, ...). A dispatch mode: the ops still run, the fused kernels included."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Count(TorchDispatchMode):
-        ops = 0
+    seen: Counter = Counter()
 
+    class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.ops += 1
+            seen[func.overloadpacket.__name__] += 1
             return func(*args, **(kwargs or {}))
 
     with Count():
         fn()
-    return Count.ops
+    return seen
+
+
+def count_ops(torch, fn) -> int:
+    """Operators ``fn()`` dispatches (ATen ops below autograd, as the plan counts them)."""
+    return sum(dispatched_ops(torch, fn).values())
 
 
 def overhead_rates(torch, dtype) -> tuple[float, float]:

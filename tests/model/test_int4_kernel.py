@@ -12,6 +12,7 @@ import torch
 from orbitctl.codec.formats import dequantize_int4, pack_int4, quantize_int4
 from orbitctl.model.int4_kernel import Int4Pack, unsupported_shape
 from orbitctl.model.quant_linear import ExpertMLP, QuantLinear
+from orbitctl.rl.steptime import count_ops, dispatched_ops
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"),
@@ -150,27 +151,6 @@ def test_kernel_fused_runs_on_an_nvidia_profile_and_is_refused_on_another_gpu(tm
     one_error_line(done.stderr, "quant.kernel", "fused")
 
 
-class _OpCount:
-    """Every aten op a forward issues (a dispatch mode: the fused kernel still runs under it)."""
-
-    def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        outer = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                outer.ops += 1
-                return func(*args, **(kwargs or {}))
-
-        self.ops, self._mode = 0, Mode()
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._mode.__exit__(*exc)
-
-
 @pytest.mark.parametrize("kernel", ["fused", "dequantize"])
 def test_the_time_models_ops_per_decode_step_are_the_ops_a_tiny_moe_step_issues(int4_moe, kernel):
     """plan's op count of one decode forward (orbitctl.plan.ops, the experts the step hit) against a dispatch count
@@ -195,8 +175,8 @@ def test_the_time_models_ops_per_decode_step_are_the_ops_a_tiny_moe_step_issues(
     with torch.no_grad():
         model(input_ids=ids[:, :8], past_key_values=cache, use_cache=True)  # the prefill
         hits.clear()
-        with _OpCount() as counted:
-            model(input_ids=ids[:, 8:], past_key_values=cache, use_cache=True)  # one decode step of 16 sequences
+        counted = count_ops(torch, lambda: model(input_ids=ids[:, 8:], past_key_values=cache,
+                                                 use_cache=True))  # one decode step of 16 sequences
     profile = load_profile(ROOT / "profiles" / "tiny-moe-cpu.yaml",
                            ["model.arch=null", f"model.config={int4_moe / 'config.json'}", f"quant.kernel={kernel}"])
     import json
@@ -204,8 +184,8 @@ def test_the_time_models_ops_per_decode_step_are_the_ops_a_tiny_moe_step_issues(
     arch = arch_from_config(json.loads((int4_moe / "config.json").read_text()))
     counts = op_counts(profile, arch)
     modelled = counts.forward(sum(hits)) + counts.decode_extra  # a decode step: MLA on the cached latent
-    print(f"{kernel}: {counted.ops} ops counted, {modelled:.0f} modelled, experts hit {hits}")
-    assert abs(modelled - counted.ops) <= 0.15 * counted.ops, (modelled, counted.ops, hits)
+    print(f"{kernel}: {counted} ops counted, {modelled:.0f} modelled, experts hit {hits}")
+    assert abs(modelled - counted) <= 0.15 * counted, (modelled, counted, hits)
 
 
 def test_the_sorted_expert_dispatch_is_the_per_token_sum_and_takes_an_empty_batch():
@@ -280,20 +260,8 @@ def _native_bf16(monkeypatch, native: bool) -> None:
     monkeypatch.setattr(cpu_dtype, "host_bf16", lambda: cpu_dtype.Bf16Verdict(native, "as the test says"))
 
 
-def _ops(fn) -> dict[str, int]:
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    seen: dict[str, int] = {}
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            seen[name] = seen.get(name, 0) + 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return seen
+def _ops(fn):
+    return dispatched_ops(torch, fn)
 
 
 @pytest.mark.parametrize("grad", [False, True])
