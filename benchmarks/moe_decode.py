@@ -188,6 +188,7 @@ def fused_layer_rows(hidden: int, device: str, *, decode_rows: int = 32, sequenc
 
     from orbitctl.codec.formats import pack_int4, quantize_int4
     from orbitctl.model.quant_linear import QuantLinear
+    from orbitctl.model.int4_kernel import KERNEL_OPS
     from orbitctl.rl.steptime import dispatched_ops
 
     g = torch.Generator().manual_seed(0)
@@ -217,7 +218,7 @@ def fused_layer_rows(hidden: int, device: str, *, decode_rows: int = 32, sequenc
         x = torch.randn(*shape, generator=g).to(device, torch.bfloat16)
         with torch.no_grad():
             ops = dispatched_ops(torch, lambda: layer(x))
-            kernel = sorted(n for n in ops if "int4pack" in n or n in ("mm", "addmm", "bmm"))
+            kernel = sorted(n for n in ops if n in KERNEL_OPS or n in ("mm", "addmm", "bmm"))
             flops = 2 * x.numel() * 4 * hidden
             ours, gemm = flops / best(lambda: layer(x)) / 1e9, flops / best(lambda: x @ dense.t()) / 1e9
         rows.append((f"fused INT4 layer, {label} ({x.numel() // hidden} rows)",

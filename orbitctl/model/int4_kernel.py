@@ -33,6 +33,14 @@ import torch
 
 KERNEL_GROUPS = (32, 64, 128, 256)
 """Group sizes the CPU kernel takes."""
+KERNEL_OPS = ("_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm", "int4_bf16_mm")
+"""The dispatched ops' names of the fused kernels (PyTorch's CPU kernel, tinygemm, orbitctl's AVX512-BF16 kernel),
+as an op counter (:func:`orbitctl.rl.steptime.dispatched_ops`) names them."""
+
+
+def ran_kernel(ops) -> bool:
+    """Whether counted ``ops`` (op name -> count) include a fused INT4 kernel."""
+    return any(name in ops for name in KERNEL_OPS)
 
 
 def cuda_kernel_present() -> bool:
@@ -68,14 +76,20 @@ def rows_are_independent(device_type: str = "cpu") -> bool:
     """Probe once per process and device type: the kernel's rows of a many-row product equal the rows computed alone
     and in small batches. The infer and train paths agree at the floor only if this holds (a kernel that switched to
     a blocked algorithm for many rows would round differently); where it does not, ``quant.kernel: auto`` dequantizes."""
+    from orbitctl.codec.formats import round_scales
+
     generator = torch.Generator().manual_seed(0)
     words = torch.randint(-2**31, 2**31 - 1, (256, 64), generator=generator, dtype=torch.int32)
-    scale = (torch.rand(256, 16, generator=generator) * 0.02 + 0.001).to(torch.bfloat16)
-    pack = Int4Pack.of(words.to(device_type), scale.to(device_type))
+    scale = torch.rand(256, 16, generator=generator) * 0.02 + 0.001
     x = torch.randn(600, 512, generator=generator).to(torch.bfloat16).to(device_type)
-    whole = pack.matmul(x)
-    return all(torch.equal(pack.matmul(x[start:start + rows]), whole[start:start + rows])
-               for start, rows in ((0, 1), (1, 3), (7, 16), (40, 64), (100, 500)))
+    # scales of any bf16 value, and exact ones (orbitctl's checkpoints; the AVX512-BF16 kernel takes those)
+    for scales in (scale.to(torch.bfloat16), round_scales(scale)):
+        pack = Int4Pack.of(words.to(device_type), scales.to(device_type))
+        whole = pack.matmul(x)
+        if not all(torch.equal(pack.matmul(x[start:start + rows]), whole[start:start + rows])
+                   for start, rows in ((0, 1), (1, 3), (7, 16), (40, 64), (100, 500))):
+            return False
+    return True
 
 
 def unsupported_shape(out_features: int, in_features: int, group_size: int, device_type: str = "cpu") -> str | None:
@@ -103,19 +117,23 @@ def _scale_terms(scale: torch.Tensor) -> list[torch.Tensor]:
 
 @dataclass
 class Int4Pack:
-    """One INT4 weight in the fused kernel's layout: codes [out, in/2] uint8 and, per scale term, the
-    kernel's [in/group, out, 2] bf16 (scale, zero point 0) table."""
+    """One INT4 weight in the fused kernel's layout. ``kind`` says which kernel: ``"aten"`` (PyTorch's, on the
+    CPU or tinygemm on CUDA: codes [out, in/2] uint8 and, per scale term, the kernel's [in/group, out, 2] bf16
+    (scale, zero point 0) table) or ``"bf16"`` (:mod:`orbitctl.model.bf16_int4`, on a CPU with AVX512-BF16 for
+    weights exact in bf16: its codes [out, in/2] uint8 and one float32 [out, in/group] scale table)."""
 
     packed: torch.Tensor
     scales_and_zeros: list[torch.Tensor]
     group_size: int
     in_features: int
     out_features: int
+    kind: str = "aten"
 
     @classmethod
     def of(cls, weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> "Int4Pack":
         """Repack a checkpoint INT4 weight (int32 words [out, in/8], scales [out, in/group])."""
-        from orbitctl.codec.formats import unpack_int4
+        from orbitctl.codec.formats import scales_exact_in_bf16, unpack_int4
+        from orbitctl.model import bf16_int4
 
         out_features, words = weight_packed.shape
         in_features = words * 8
@@ -124,6 +142,9 @@ class Int4Pack:
         why = unsupported_shape(out_features, in_features, group_size, device.type)
         if why is not None:
             raise ValueError(f"the fused INT4 kernel cannot take this weight: {why}")
+        if device.type == "cpu" and bf16_int4.available() and scales_exact_in_bf16(weight_scale):
+            packed, scales = bf16_int4.pack(weight_packed, weight_scale)
+            return cls(packed, [scales], group_size, in_features, out_features, kind="bf16")
         with torch.no_grad():
             codes = unpack_int4(weight_packed, in_features).add_(8)  # unsigned 0..15, as the kernel reads them
             if device.type == "cuda":  # tinygemm: two codes a byte, the even one in the high nibble
@@ -146,6 +167,11 @@ class Int4Pack:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T for x [..., in]: the result in x's dtype (bf16-rounded, see the module's docstring)."""
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if self.kind == "bf16":
+            from orbitctl.model import bf16_int4
+
+            out = bf16_int4.matmul(rows, self.packed, self.scales_and_zeros[0], self.group_size)
+            return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         kernel = torch.ops.aten._weight_int4pack_mm if x.device.type == "cuda" else torch.ops.aten._weight_int4pack_mm_for_cpu
         out = kernel(rows, self.packed, self.group_size, self.scales_and_zeros[0])
         if len(self.scales_and_zeros) > 1:

@@ -91,6 +91,11 @@ def _drawn(scaled, *, temperature: float, top_p: float, generator, draws, step):
     return scaled.argmax(-1)
 
 
+def _contiguous_input(module, args):
+    """Forward pre-hook: the module's first input made contiguous (a no-op when it is)."""
+    return (args[0].contiguous(), *args[1:]) if args and hasattr(args[0], "contiguous") else None
+
+
 class Policy:
     """Frozen base + adapters; ``model`` is a PeftModel (LoRA) or the base with bottleneck layers."""
 
@@ -136,6 +141,12 @@ class Policy:
             # transformers also makes the embedding's output require a gradient, which only reentrant checkpointing
             # needs: with it the backward would run every frozen layer below the first adapter for nothing
             self.model.disable_input_require_grads()
+        head = self.model.get_output_embeddings()
+        if head is not None:
+            # transformers slices the positions whose logits are kept (a strided view of the hidden states); a strided
+            # 3-D input makes the output layer's matmul copy its weight once per row ([B, H, V]: 400 MB for a prefill
+            # of 32 rows at vocabulary 8,192) and run a batched GEMM, in the forward and again in the backward
+            head.register_forward_pre_hook(_contiguous_input)
         import inspect
 
         base_forward = self.model.get_base_model().forward if hasattr(self.model, "get_base_model") else self.model.forward

@@ -57,21 +57,22 @@ def int4_workspace(shape: tuple[int, int], dtype: torch.dtype) -> tuple[torch.Te
 
     One flat buffer of each kind per thread, grown to the largest matrix asked for and shared by every
     layer: (4 + 4 + bytes of ``dtype`` unless float32) bytes per element of the largest INT4 matrix."""
+    values = workspace_buffer(shape, torch.float32)
+    return workspace_buffer(shape, torch.int32), values, None if dtype == torch.float32 else workspace_buffer(shape, dtype)
+
+
+def workspace_buffer(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """This thread's one flat buffer of ``dtype``, grown to ``shape`` if smaller, as a view of ``shape``."""
     numel = shape[0] * shape[1]
     buffers = getattr(_WORKSPACE, "buffers", None)
     if buffers is None:
         buffers = _WORKSPACE.buffers = {}
-
-    def flat(dt: torch.dtype) -> torch.Tensor:
-        buf = buffers.get(dt)
-        if buf is None or buf.numel() < numel:
-            buffers.pop(dt, None)  # the smaller one goes before the larger one is made
-            with torch.inference_mode(False):  # an inference tensor could not be written outside inference mode
-                buf = buffers[dt] = torch.empty(numel, dtype=dt)
-        return buf[:numel].view(shape)
-
-    values = flat(torch.float32)
-    return flat(torch.int32), values, None if dtype == torch.float32 else flat(dtype)
+    buf = buffers.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buffers.pop(dtype, None)  # the smaller one goes before the larger one is made
+        with torch.inference_mode(False):  # an inference tensor could not be written outside inference mode
+            buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
+    return buf[:numel].view(shape)
 
 
 def workspace_bytes() -> int:
@@ -184,6 +185,12 @@ class QuantLinear(nn.Module):
         valid until the next layer dequantizes (never keep it), elsewhere a fresh tensor."""
         if self.fmt != "int4" or not _plain_cpu(self.weight_packed):
             return self.dequantized_weight(dtype)
+        pack = self.kernel_pack
+        if pack is not None and pack.kind == "bf16" and dtype == torch.bfloat16:  # one pass, the same values
+            from orbitctl.model import bf16_int4
+
+            out = workspace_buffer((self.out_features, self.in_features), dtype)
+            return bf16_int4.dequantize_into(pack.packed, pack.scales_and_zeros[0], pack.group_size, out)
         with torch.no_grad():
             codes, values, out = int4_workspace((self.out_features, self.in_features), dtype)
             return dequantize_int4_into(self.weight_packed, self.weight_scale, codes, values, out)

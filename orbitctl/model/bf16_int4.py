@@ -1,0 +1,176 @@
+"""The INT4 matmul for CPUs with AVX512-BF16: y = x W^T at the rate of a bf16 GEMM, without a dense copy of W.
+
+    if bf16_int4.available():                                   # AVX512-BF16, uncapped, the library built
+        packed, scales = bf16_int4.pack(weight_packed, weight_scale)   # once, at load
+        y = bf16_int4.matmul(x_bf16_2d, packed, scales, group_size)  # [M, K] -> [M, N] bf16
+
+PyTorch's CPU INT4 kernel (``aten._weight_int4pack_mm_for_cpu``) dequantizes to float32 and multiplies in
+float32 FMAs: about 170 GFLOP/s on two AVX512-BF16 cores at any number of rows, half what a bf16 GEMM over the
+dense weight reaches. This kernel (``csrc/int4_bf16.cpp``) dequantizes a block of four output rows at a time
+into a bf16 buffer the size of a few cache lines per chunk (a 16-entry table per group, one ``vpermw`` per 32
+weights) and multiplies it against every row of x with ``vdpbf16ps``: 2.0x the float32 kernel at 8-64 rows,
+1.3x at one row (``benchmarks/int4_kernels.py``).
+
+It computes the function the other paths compute: only for weights whose every value is exactly a bf16 number
+(scales of at most :data:`~orbitctl.codec.formats.SCALE_BITS` significant bits, what ``orbitctl quantize`` writes),
+the products of the bf16 activations and weights are exact in float32, accumulated in float32, the result rounded
+once to bf16; each output row depends only on its own input row, bit for bit, whatever the number of rows.
+
+The library is compiled at first use (``g++ -O3 -fopenmp``, about a second) into ``$ORBITCTL_CACHE/kernels``
+under a name that hashes the source and the compiler, written under a temporary name and renamed into place. Its
+parallel loop runs on the OpenMP runtime torch already loaded (same soname), on ``torch.get_num_threads()``
+threads. Where the CPU lacks AVX512-BF16, a cap (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``) lowers the
+kernels, or there is no compiler, :func:`available` is False and the fused layers keep PyTorch's kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "int4_bf16.cpp"
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
+"""What the kernel's instructions need, as /proc/cpuinfo spells them."""
+ROWS_PER_BLOCK = 4
+"""Output features are dequantized four at a time: a weight takes the kernel when its rows are a multiple of this."""
+CHUNK = 32
+"""Input features are read 32 at a time: the input width and the group size must be multiples of this."""
+
+log = logging.getLogger(__name__)
+
+
+def unsupported_shape(out_features: int, in_features: int, group_size: int) -> str | None:
+    """Why the kernel cannot take an [out, in] weight in groups of ``group_size`` (None: it can)."""
+    if out_features % ROWS_PER_BLOCK:
+        return f"{out_features} output features (the kernel takes them {ROWS_PER_BLOCK} at a time)"
+    if group_size % CHUNK or in_features % group_size:
+        return f"{in_features} input features in groups of {group_size} (multiples of {CHUNK})"
+    return None
+
+
+def cpu_unsupported() -> str | None:
+    """Why this process may not run the kernel on its CPU (None: it may): a missing instruction set, or a cap."""
+    from orbitctl.model import cpu_dtype
+
+    info = cpu_dtype.read_host_cpu()
+    missing = [flag for flag in CPU_FLAGS if info is None or flag not in info.flags]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    verdict = cpu_dtype.host_bf16()
+    return None if verdict.native else verdict.reason
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _library_path(compiler: str) -> Path:
+    from orbitctl.builder import cache_root
+
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    digest = hashlib.sha256(SOURCE.read_bytes() + version.encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"int4_bf16-{digest}.so"
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compile the kernel into the cache (once per source and compiler) and return the library's path."""
+    compiler = compiler or _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++) on PATH; set CXX")
+    path = _library_path(compiler)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    cmd = [compiler, "-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(tmp)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"{' '.join(cmd[:2])} ... failed: {done.stderr.strip()[-400:]}")
+    os.replace(tmp, path)  # concurrent builders (ranks) each rename a whole library into place
+    return path
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, built on first use; None (with the reason logged once) where it cannot run here."""
+    why = cpu_unsupported()
+    if why is None:
+        try:
+            lib = ctypes.CDLL(str(build()))
+        except (OSError, RuntimeError) as err:
+            why = f"the kernel did not build or load: {err}"
+        else:
+            lib.orbitctl_int4_bf16_mm.restype = ctypes.c_int
+            lib.orbitctl_int4_bf16_mm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+            lib.orbitctl_int4_bf16_dequantize.restype = ctypes.c_int
+            lib.orbitctl_int4_bf16_dequantize.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+            return lib
+    log.info("INT4 AVX512-BF16 kernel not used: %s", why)
+    return None
+
+
+def available() -> bool:
+    """Whether fused INT4 layers on this CPU take this kernel (see the module's docstring)."""
+    return library() is not None
+
+
+def pack(weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A checkpoint INT4 weight (int32 words [out, in/8], scales [out, in/group]) in the kernel's layout:
+    (uint8 codes [out, in/2], float32 scales [out, in/group]); see ``csrc/int4_bf16.cpp``."""
+    from orbitctl.codec.formats import unpack_int4
+
+    out_features, words = weight_packed.shape
+    in_features = words * 8
+    with torch.no_grad():
+        codes = unpack_int4(weight_packed, in_features).add_(8).reshape(out_features, in_features // CHUNK, 2, 16)
+        packed = (codes[:, :, 0] | (codes[:, :, 1] << 4)).to(torch.uint8).reshape(out_features, in_features // 2)
+    return packed.contiguous(), weight_scale.to(torch.float32).contiguous()
+
+
+@torch.library.custom_op("orbitctl::int4_bf16_mm", mutates_args=(), device_types="cpu")
+def _mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    rows, in_features = x.shape
+    out = torch.empty(rows, packed.shape[0], dtype=torch.bfloat16)
+    failed = library().orbitctl_int4_bf16_mm(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), out.data_ptr(),
+                                            rows, packed.shape[0], in_features, group_size)
+    if failed:
+        raise ValueError(f"the INT4 bf16 kernel cannot take a [{packed.shape[0]}, {in_features}] weight in groups "
+                         f"of {group_size}")
+    return out
+
+
+@_mm.register_fake
+def _(x, packed, scales, group_size):
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+@torch.library.custom_op("orbitctl::int4_bf16_dequantize", mutates_args=("out",), device_types="cpu")
+def _dequantize(packed: torch.Tensor, scales: torch.Tensor, group_size: int, out: torch.Tensor) -> None:
+    rows, in_features = out.shape
+    if library().orbitctl_int4_bf16_dequantize(packed.data_ptr(), scales.data_ptr(), out.data_ptr(), rows,
+                                               in_features, group_size):
+        raise ValueError(f"the INT4 bf16 kernel cannot take a [{rows}, {in_features}] weight in groups of {group_size}")
+
+
+def dequantize_into(packed: torch.Tensor, scales: torch.Tensor, group_size: int, out: torch.Tensor) -> torch.Tensor:
+    """The dense weight, written into ``out`` (contiguous bf16 [out, in]): every value exactly
+    :func:`~orbitctl.codec.formats.dequantize_int4`'s, in one pass (a table lookup per 32 weights) where the
+    float32 route makes five over int32 and float32 copies. Only where :func:`available`."""
+    if out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError("dequantize_into writes a contiguous bf16 tensor")
+    _dequantize(packed, scales, group_size, out)
+    return out
+
+
+def matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x W^T for bf16 x [M, in] (made contiguous): [M, out] bf16. Only where :func:`available`."""
+    return _mm(x.to(torch.bfloat16).contiguous(), packed, scales, group_size)

@@ -1,0 +1,115 @@
+"""The AVX512-BF16 INT4 kernel (orbitctl.model.bf16_int4): what it computes, its layout, where it runs and where not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orbitctl.codec.formats import dequantize_int4, pack_int4, quantize_int4, unpack_int4
+from orbitctl.model import bf16_int4
+from orbitctl.model.int4_kernel import Int4Pack
+
+BF16_HALF_ULP = 2.0 ** -8
+needs_kernel = pytest.mark.skipif(not bf16_int4.available(), reason="the CPU has no AVX512-BF16 (or it is capped)")
+
+
+def _weight(out_f: int, in_f: int, group: int = 64, seed: int = 0):
+    w = torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed)) * 0.05
+    codes, scale = quantize_int4(w, group)
+    return codes, pack_int4(codes), scale
+
+
+def test_the_layout_holds_every_code_once_low_nibble_k_high_nibble_k_plus_16():
+    codes, packed, scale = _weight(8, 128)
+    ours, scales = bf16_int4.pack(packed, scale)
+    assert ours.dtype == torch.uint8 and ours.shape == (8, 64) and scales.dtype == torch.float32
+    chunks = ours.reshape(8, 4, 16).to(torch.int32)
+    back = torch.stack([chunks & 0xF, chunks >> 4], dim=2).reshape(8, 128) - 8
+    assert torch.equal(back, codes.to(torch.int32))
+    assert torch.equal(scales, scale.float())
+
+
+def test_shapes_the_layout_cannot_take_are_named():
+    assert bf16_int4.unsupported_shape(96, 256, 64) is None
+    assert "output features" in bf16_int4.unsupported_shape(98, 256, 64)
+    assert "groups of 48" in bf16_int4.unsupported_shape(96, 240, 48)
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_it_is_the_bf16_rounded_float32_sum_of_exact_products(group):
+    _, packed, scale = _weight(96, 512, group)
+    ours, scales = bf16_int4.pack(packed, scale)
+    dense = dequantize_int4(packed, scale, 512, torch.float64)  # exact, and exactly a bf16 number each
+    assert torch.equal(dense.to(torch.bfloat16).double(), dense)
+    x = torch.randn(37, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    y = bf16_int4.matmul(x, ours, scales, group)
+    exact = x.double() @ dense.t()
+    # one rounding to bf16, and float32 accumulation over K terms (K eps_32 sum |x||w|)
+    bound = BF16_HALF_ULP * exact.abs() * (1 + 2 ** -7) + 512 * 2.0 ** -24 * (x.double().abs() @ dense.abs().t())
+    assert y.dtype == torch.bfloat16 and y.shape == (37, 96)
+    assert bool(((y.double() - exact).abs() <= bound).all())
+    # PyTorch's kernel sums the same products in another order: at most one bf16 step apart
+    aten = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x, torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(packed, 512).add_(8).contiguous(), 2),
+        group, torch.stack([scale.t(), torch.zeros_like(scale.t())], -1).contiguous())
+    assert bool(((y.float() - aten.float()).abs() <= 2 * BF16_HALF_ULP * aten.float().abs() + 2.0 ** -126).all())
+
+
+@needs_kernel
+def test_each_row_is_the_same_bit_for_bit_whatever_the_rows_beside_it():
+    """What lets a one-token decode step and a batch compute the same numbers: tiles of 4 rows and the 1-row tail."""
+    _, packed, scale = _weight(64, 256)
+    ours, scales = bf16_int4.pack(packed, scale)
+    x = torch.randn(43, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    whole = bf16_int4.matmul(x, ours, scales, 64)
+    for start, rows in ((0, 1), (1, 3), (4, 4), (5, 7), (11, 32)):
+        assert torch.equal(bf16_int4.matmul(x[start:start + rows], ours, scales, 64), whole[start:start + rows])
+    # a strided (non-contiguous) input is read as its values
+    wide = torch.zeros(43, 512, dtype=torch.bfloat16)
+    wide[:, ::2] = x
+    assert torch.equal(bf16_int4.matmul(wide[:, ::2], ours, scales, 64), whole)
+
+
+@needs_kernel
+def test_a_pack_of_exact_scales_takes_it_and_other_scales_keep_pytorchs_kernel():
+    _, packed, scale = _weight(96, 256)
+    pack = Int4Pack.of(packed, scale)
+    assert pack.kind == "bf16"
+    x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(3))
+    assert pack.matmul(x).shape == (2, 3, 96) and pack.matmul(x).dtype == torch.float32
+    inexact = Int4Pack.of(packed, (scale.float() * 1.01).to(torch.bfloat16))  # 8 significant bits
+    assert inexact.kind == "aten"
+
+
+def test_a_cpu_without_native_bf16_or_under_the_cap_is_told_why(monkeypatch):
+    from orbitctl.model import cpu_dtype
+
+    flags = frozenset({"avx2", "fma"})
+    monkeypatch.setattr(cpu_dtype, "read_host_cpu", lambda path="/proc/cpuinfo": cpu_dtype.CpuInfo("an AVX2 CPU", flags))
+    assert "avx512_bf16" in bf16_int4.cpu_unsupported()
+    full = frozenset(bf16_int4.CPU_FLAGS)
+    monkeypatch.setattr(cpu_dtype, "read_host_cpu", lambda path="/proc/cpuinfo": cpu_dtype.CpuInfo("a CPU", full))
+    monkeypatch.setattr(cpu_dtype, "host_bf16", lambda: cpu_dtype.Bf16Verdict(False, "capped by ATEN_CPU_CAPABILITY"))
+    assert bf16_int4.cpu_unsupported() == "capped by ATEN_CPU_CAPABILITY"
+
+
+def test_a_failed_build_raises_with_the_compilers_words_and_leaves_no_library(tmp_path, monkeypatch):
+    monkeypatch.setenv("ORBITCTL_CACHE", str(tmp_path))
+    with pytest.raises(RuntimeError, match="failed"):
+        bf16_int4.build(compiler="false")  # a "compiler" that exits 1
+    assert not any((tmp_path / "kernels").iterdir())
+
+
+def test_a_build_lands_whole_under_a_name_of_its_source_and_is_reused(tmp_path, monkeypatch):
+    import shutil
+
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no g++ here")
+    monkeypatch.setenv("ORBITCTL_CACHE", str(tmp_path))
+    path = bf16_int4.build(compiler)
+    assert path.parent == tmp_path / "kernels" and path.name.startswith("int4_bf16-") and path.stat().st_size > 0
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left beside it
+    stamp = path.stat().st_mtime_ns
+    assert bf16_int4.build(compiler) == path and path.stat().st_mtime_ns == stamp
