@@ -145,6 +145,7 @@ def load_policy(profile, base: PreparedBase, device: str | None = None):
     graphs = decode_graphs(profile, device)
     return Policy(model, tokenizer, report, hidden_size=hidden, adapter_kind=profile.adapter.kind,
                   gradient_checkpointing=profile.memory.gradient_checkpointing,
+                  keep_frozen_outputs=profile.memory.keep_frozen_outputs,
                   lockstep=Lockstep() if experts is not None else None, chat_template=profile.data.chat_template,
                   kv_dtype=profile.rollout.kv_dtype, router_replay=profile.rl.router_replay,
                   system_prompt=profile.data.system_prompt, decode_graphs=graphs,

@@ -50,6 +50,8 @@ class ActivationSettings:
     logits only (``logits_to_keep``), so a short completion after a long prompt makes few; 0: every token."""
     act_bytes: int = 2
     """Bytes of one activation element, the compute dtype's (fp32 on a CPU without native bf16)."""
+    keep_frozen: bool = False
+    """``memory.keep_frozen_outputs``: each checkpointed layer also keeps its frozen matmuls' outputs."""
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,13 @@ def layer_activations(arch: ArchSpec, layer: Layer, ad: AdapterPlan, st: Activat
                             attention_block=attn, mlp_block=mlp_grads + bottleneck, materialized=materialized)
 
 
+def frozen_outputs(arch: ArchSpec, layer: Layer, st: ActivationSettings) -> float:
+    """Bytes per token of a layer's frozen matmuls' outputs (every linear weight's output features, a routed expert's
+    once per routed copy): what ``memory.keep_frozen_outputs`` keeps beside the layer's checkpointed input."""
+    width = sum(w.shape[0] * (arch.experts_per_token if w.kind == EXPERT else 1) for w in layer.weights if w.linear)
+    return float(st.act_bytes * width)
+
+
 def logits_peak(arch: ArchSpec, st: ActivationSettings, *, grad: bool = True) -> float:
     """Bytes live in the lm_head + loss: 12V per position at the loss backward, 10V in a no-grad pass, over the
     positions that reach the output layer (the completion's, :attr:`ActivationSettings.logit_positions`)."""
@@ -236,8 +245,12 @@ def train_activations(arch: ArchSpec, ad: AdapterPlan, st: ActivationSettings) -
         reached = arch.num_layers - ad.first_layer
         boundaries = 2 * boundary if st.offload else reached * boundary
         host = reached * boundary if st.offload else 0.0
-        kept = boundaries
-        layer_moment = boundaries + max(la.backward_peak() * t + la.materialized for la in per_layer)
+        # memory.keep_frozen_outputs: each reached layer's frozen matmul outputs too, until its backward has run (the
+        # layer being recomputed counts them once, among its saved tensors)
+        kept_outputs = [frozen_outputs(arch, layer, st) * t for layer in arch.layers[ad.first_layer:]] \
+            if st.keep_frozen else [0.0]
+        kept = boundaries + sum(kept_outputs)
+        layer_moment = kept - max(kept_outputs) + max(la.backward_peak() * t + la.materialized for la in per_layer)
     else:
         kept = sum(la.saved * t + la.materialized for la in per_layer)
         last = per_layer[-1]

@@ -280,7 +280,7 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
         tokens=mb * mem.seq_len, seq_len=mem.seq_len, checkpointing=mem.gradient_checkpointing,
         offload=mem.offload_activations == "cpu", flash=mem.flash_attention, dropout=profile.adapter.dropout > 0,
         adapter_bytes=2 if profile.adapter.dtype == "bf16" else 4, loss_chunk=mem.loss_chunk_size,
-        logit_positions=mb * completion_positions(profile), act_bytes=cdt)
+        logit_positions=mb * completion_positions(profile), act_bytes=cdt, keep_frozen=mem.keep_frozen_outputs)
     acts = train_activations(arch, ad, st)
 
     # ---- rollout ----------------------------------------------------------------------------

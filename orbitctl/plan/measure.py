@@ -58,7 +58,8 @@ def settings_for(profile) -> ActivationSettings:
     return ActivationSettings(
         tokens=mem.micro_batch_size * mem.seq_len, seq_len=mem.seq_len, checkpointing=mem.gradient_checkpointing,
         offload=False, flash=mem.flash_attention, dropout=profile.adapter.dropout > 0,
-        adapter_bytes=2 if profile.adapter.dtype == "bf16" else 4, loss_chunk=mem.loss_chunk_size)
+        adapter_bytes=2 if profile.adapter.dtype == "bf16" else 4, loss_chunk=mem.loss_chunk_size,
+        keep_frozen=mem.keep_frozen_outputs)
 
 
 def predicted_activation_bytes(arch: ArchSpec, profile) -> int:
@@ -102,6 +103,7 @@ def _run_fake_step(small: ArchSpec, profile, adapters) -> tuple[dict, list[str]]
     from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from orbitctl.model.recompute import checkpoint_kwargs
     from orbitctl.plan.shadow import attach_shadow_adapters, freeze_to_buffers, register_flash_style_attention
 
     mem = profile.memory
@@ -122,10 +124,11 @@ def _run_fake_step(small: ArchSpec, profile, adapters) -> tuple[dict, list[str]]
         if skipped:
             notes.append(f"routed-expert adapters not measured ({skipped} weights): no fake-tensor LoRA on stacked experts")
         if mem.gradient_checkpointing:
+            kwargs = checkpoint_kwargs(keep_frozen_outputs=mem.keep_frozen_outputs)
             if hasattr(model, "activation_checkpointing_enable"):
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
             else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.train()
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=1e-5)

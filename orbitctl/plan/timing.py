@@ -438,8 +438,10 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
     reach, reach_layers = backward_reach(arch, first), (arch.num_layers - first) / arch.num_layers
     # frozen base: input gradients only (no weight-gradient GEMM); attention 2x; the adapters both gradients
     backward = reach * linear + 2 * reach_layers * attn + 4.0 * lora * t
-    recompute = reach * linear + reach_layers * attn + 2.0 * lora * t
-    forward_passes = shape.micro_batches * (1 + reach * shape.recompute) + shape.no_grad_passes
+    # memory.keep_frozen_outputs: the recompute takes the frozen matmuls' outputs the forward kept, reading no weight
+    keep = profile.memory.keep_frozen_outputs
+    recompute = (0.0 if keep else reach * linear) + reach_layers * attn + 2.0 * lora * t
+    forward_passes = shape.micro_batches * (1 + (0 if keep else reach * shape.recompute)) + shape.no_grad_passes
     passes = forward_passes + shape.micro_batches * reach
     intra, inter = _split(profile, layout, terms["zero3_gather_train"] + terms["adapter_allreduce"],
                           terms["all_to_all_train"])

@@ -201,6 +201,10 @@ class MemorySection(Section):
     """DeepSpeed ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters (the frozen base)."""
     gradient_checkpointing: bool = True
     """Recompute each layer in backward; keeps only the per-layer boundary tensor."""
+    keep_frozen_outputs: bool = False
+    """With gradient_checkpointing: also keep the outputs of the frozen base's matmuls, so a layer's recompute runs
+    only its cheap ops (norms, attention, activations, the adapters) and not the base's GEMMs again; costs tokens x the
+    frozen linear layers' output features x 2 bytes per checkpointed layer, which the plan counts."""
     offload_activations: Literal["none", "cpu"] = "none"
     """Move the checkpointed per-layer boundaries to host RAM (needs gradient_checkpointing): train saves each
     checkpointed layer's input in pinned host memory, copied on a side stream on CUDA, and brings it back for the
@@ -243,6 +247,12 @@ class MemorySection(Section):
                 "memory.offload_activations: 'cpu' needs memory.gradient_checkpointing: true "
                 "(only checkpointed layer boundaries can be offloaded)"
             )
+        if self.keep_frozen_outputs and not self.gradient_checkpointing:
+            raise ValueError("memory.keep_frozen_outputs: true needs memory.gradient_checkpointing: true "
+                             "(without checkpointing every output is kept already)")
+        if self.keep_frozen_outputs and self.offload_activations == "cpu":
+            raise ValueError("memory.keep_frozen_outputs: true keeps its outputs on the device; with "
+                             "memory.offload_activations: 'cpu' use one or the other")
         if self.offload_params == "cpu" and self.zero_stage != 3:
             raise ValueError("memory.offload_params: 'cpu' needs memory.zero_stage: 3")
         if self.offload_optimizer == "cpu" and self.zero_stage == 0:
