@@ -93,6 +93,8 @@ def _show_dry_run(report) -> None:
     mech.columns[0].min_width = len("rollout.continuous_batching")  # the longest key, whole on a narrow terminal
     m = report.memory
     mech.add_row("gradient_checkpointing", str(m["gradient_checkpointing"]).lower(), "")
+    mech.add_row("keep_frozen_outputs", str(m["keep_frozen_outputs"]).lower(),
+                 f"{gib(m['kept_frozen_output_bytes'])} GiB kept per micro-batch" if m["keep_frozen_outputs"] else "")
     mech.add_row("offload_activations", m["offload_activations"],
                  f"{gib(m['offloaded_activation_bytes_per_node'])} GiB host per node" if m["offload_activations"] != "none" else "")
     chunks = f"{m['loss_chunks_per_micro_batch']} chunk(s) per micro-batch" if m["loss_chunk_size"] else "whole micro-batch"

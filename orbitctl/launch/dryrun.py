@@ -140,6 +140,8 @@ def _memory_mechanics(profile, plan) -> dict[str, Any]:
     arch, settings = _arch(profile), settings_for(profile)
     return {
         "gradient_checkpointing": mem.gradient_checkpointing,
+        "keep_frozen_outputs": mem.keep_frozen_outputs,
+        "kept_frozen_output_bytes": int(_kept_frozen_bytes(arch, profile, settings)) if mem.keep_frozen_outputs else 0,
         "offload_activations": mem.offload_activations,
         "offloaded_activation_bytes_per_node": int(host.get("offloaded_activations", 0)),
         "loss_chunk_size": mem.loss_chunk_size,
@@ -186,3 +188,12 @@ def _machine_check(profile, snapshot) -> dict[str, Any]:
                 "fix": exc.fix}
     return {"checks": list(MACHINE_CHECKS), "needs": needs, "passes_here": True,
             "message": f"{fit.gpus} GPU(s) found" if hw.gpu != "cpu" else needs, "fix": None}
+
+
+def _kept_frozen_bytes(arch, profile, settings) -> float:
+    """The frozen matmuls' outputs ``memory.keep_frozen_outputs`` keeps for one micro-batch, every reached layer's."""
+    from orbitctl.plan.activations import frozen_outputs
+    from orbitctl.plan.adapters import plan_adapters
+
+    first = plan_adapters(arch, profile.adapter).first_layer
+    return sum(frozen_outputs(arch, layer, settings) for layer in arch.layers[first:]) * settings.tokens

@@ -38,6 +38,12 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ``[B, Hkv, T, Dv]`` (``H`` a multiple of ``Hkv``: grouped queries read their KV head without a copy), ``mask``
     None, boolean (True: attend) or additive, broadcastable to ``[B, H, 1, T]``; returns ``[B, H, 1, Dv]`` in the
     query's dtype. A row whose every position is masked gets zeros."""
+    if query.dtype == torch.bfloat16:  # bf16 on a CPU with AVX512-BF16: the same sums, reading the cache in place
+        from orbitctl.model import bf16_cpu
+
+        out = bf16_cpu.decode_attention(query, key, value, mask, scaling)
+        if out is not None:
+            return out
     batch, heads, _, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     groups = heads // kv_heads

@@ -119,7 +119,7 @@ def _scale_terms(scale: torch.Tensor) -> list[torch.Tensor]:
 class Int4Pack:
     """One INT4 weight in the fused kernel's layout. ``kind`` says which kernel: ``"aten"`` (PyTorch's, on the
     CPU or tinygemm on CUDA: codes [out, in/2] uint8 and, per scale term, the kernel's [in/group, out, 2] bf16
-    (scale, zero point 0) table) or ``"bf16"`` (:mod:`orbitctl.model.bf16_int4`, on a CPU with AVX512-BF16 for
+    (scale, zero point 0) table) or ``"bf16"`` (:mod:`orbitctl.model.bf16_cpu`, on a CPU with AVX512-BF16 for
     weights exact in bf16: its codes [out, in/2] uint8 and one float32 [out, in/group] scale table)."""
 
     packed: torch.Tensor
@@ -133,7 +133,7 @@ class Int4Pack:
     def of(cls, weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> "Int4Pack":
         """Repack a checkpoint INT4 weight (int32 words [out, in/8], scales [out, in/group])."""
         from orbitctl.codec.formats import scales_exact_in_bf16, unpack_int4
-        from orbitctl.model import bf16_int4
+        from orbitctl.model import bf16_cpu
 
         out_features, words = weight_packed.shape
         in_features = words * 8
@@ -142,8 +142,8 @@ class Int4Pack:
         why = unsupported_shape(out_features, in_features, group_size, device.type)
         if why is not None:
             raise ValueError(f"the fused INT4 kernel cannot take this weight: {why}")
-        if device.type == "cpu" and bf16_int4.available() and scales_exact_in_bf16(weight_scale):
-            packed, scales = bf16_int4.pack(weight_packed, weight_scale)
+        if device.type == "cpu" and bf16_cpu.available() and scales_exact_in_bf16(weight_scale):
+            packed, scales = bf16_cpu.pack(weight_packed, weight_scale)
             return cls(packed, [scales], group_size, in_features, out_features, kind="bf16")
         with torch.no_grad():
             codes = unpack_int4(weight_packed, in_features).add_(8)  # unsigned 0..15, as the kernel reads them
@@ -168,9 +168,9 @@ class Int4Pack:
         """x W^T for x [..., in]: the result in x's dtype (bf16-rounded, see the module's docstring)."""
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if self.kind == "bf16":
-            from orbitctl.model import bf16_int4
+            from orbitctl.model import bf16_cpu
 
-            out = bf16_int4.matmul(rows, self.packed, self.scales_and_zeros[0], self.group_size)
+            out = bf16_cpu.matmul(rows, self.packed, self.scales_and_zeros[0], self.group_size)
             return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         kernel = torch.ops.aten._weight_int4pack_mm if x.device.type == "cuda" else torch.ops.aten._weight_int4pack_mm_for_cpu
         out = kernel(rows, self.packed, self.group_size, self.scales_and_zeros[0])

@@ -187,10 +187,10 @@ class QuantLinear(nn.Module):
             return self.dequantized_weight(dtype)
         pack = self.kernel_pack
         if pack is not None and pack.kind == "bf16" and dtype == torch.bfloat16:  # one pass, the same values
-            from orbitctl.model import bf16_int4
+            from orbitctl.model import bf16_cpu
 
             out = workspace_buffer((self.out_features, self.in_features), dtype)
-            return bf16_int4.dequantize_into(pack.packed, pack.scales_and_zeros[0], pack.group_size, out)
+            return bf16_cpu.dequantize_into(pack.packed, pack.scales_and_zeros[0], pack.group_size, out)
         with torch.no_grad():
             codes, values, out = int4_workspace((self.out_features, self.in_features), dtype)
             return dequantize_int4_into(self.weight_packed, self.weight_scale, codes, values, out)

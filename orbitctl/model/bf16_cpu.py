@@ -1,26 +1,32 @@
-"""The INT4 matmul for CPUs with AVX512-BF16: y = x W^T at the rate of a bf16 GEMM, without a dense copy of W.
+"""orbitctl's CPU kernels for AVX512-BF16: the INT4 matmul, its dequantizer and the one-position decode attention.
 
-    if bf16_int4.available():                                   # AVX512-BF16, uncapped, the library built
-        packed, scales = bf16_int4.pack(weight_packed, weight_scale)   # once, at load
-        y = bf16_int4.matmul(x_bf16_2d, packed, scales, group_size)  # [M, K] -> [M, N] bf16
+    if bf16_cpu.available():                                          # AVX512-BF16, uncapped, the library built
+        packed, scales = bf16_cpu.pack(weight_packed, weight_scale)   # once, at load
+        y = bf16_cpu.matmul(x_bf16_2d, packed, scales, group_size)    # [M, K] -> [M, N] bf16
+        w = bf16_cpu.dequantize_into(packed, scales, group_size, out) # the dense bf16 weight, one pass
+        o = bf16_cpu.decode_attention(q, k, v, mask, scaling)         # [B, H, 1, D] against the cache's views
 
-PyTorch's CPU INT4 kernel (``aten._weight_int4pack_mm_for_cpu``) dequantizes to float32 and multiplies in
-float32 FMAs: about 170 GFLOP/s on two AVX512-BF16 cores at any number of rows, half what a bf16 GEMM over the
-dense weight reaches. This kernel (``csrc/int4_bf16.cpp``) dequantizes a block of four output rows at a time
-into a bf16 buffer the size of a few cache lines per chunk (a 16-entry table per group, one ``vpermw`` per 32
-weights) and multiplies it against every row of x with ``vdpbf16ps``: 2.0x the float32 kernel at 8-64 rows,
-1.3x at one row (``benchmarks/int4_kernels.py``).
+**INT4 matmul.** PyTorch's CPU INT4 kernel (``aten._weight_int4pack_mm_for_cpu``) dequantizes to float32 and
+multiplies in float32 FMAs: about 170 GFLOP/s on two AVX512-BF16 cores at any number of rows, half what a bf16
+GEMM over the dense weight reaches. This one (``csrc/bf16_cpu.cpp``) dequantizes a block of four output rows at a
+time into a bf16 buffer (a 16-entry table per group, one ``vpermw`` per 32 weights) and multiplies it against
+every row of x with ``vdpbf16ps``: 2.0x the float32 kernel at 8-64 rows, 1.3x at one row
+(``benchmarks/int4_kernels.py``). It computes the function the other paths compute: only for weights whose every
+value is exactly a bf16 number (scales of at most :data:`~orbitctl.codec.formats.SCALE_BITS` significant bits,
+what ``orbitctl quantize`` writes), the products of the bf16 activations and weights are exact in float32,
+accumulated in float32, the result rounded once to bf16; each output row depends only on its own input row, bit
+for bit, whatever the number of rows.
 
-It computes the function the other paths compute: only for weights whose every value is exactly a bf16 number
-(scales of at most :data:`~orbitctl.codec.formats.SCALE_BITS` significant bits, what ``orbitctl quantize`` writes),
-the products of the bf16 activations and weights are exact in float32, accumulated in float32, the result rounded
-once to bf16; each output row depends only on its own input row, bit for bit, whatever the number of rows.
+**Decode attention.** :func:`orbitctl.model.decode_attention.decode_attention` in bf16, reading K and V where the
+cache holds them (strided views) instead of converting the whole history to float32 every step: float32 scores
+from ``vdpbf16ps``, the masked softmax in float32 (a vectorised exp: Cephes' polynomial), the exponentials rounded
+to bf16 for the product with V, float32 accumulation and one rounding.
 
 The library is compiled at first use (``g++ -O3 -fopenmp``, about a second) into ``$ORBITCTL_CACHE/kernels``
 under a name that hashes the source and the compiler, written under a temporary name and renamed into place. Its
-parallel loop runs on the OpenMP runtime torch already loaded (same soname), on ``torch.get_num_threads()``
+parallel loops run on the OpenMP runtime torch already loaded (same soname), on ``torch.get_num_threads()``
 threads. Where the CPU lacks AVX512-BF16, a cap (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``) lowers the
-kernels, or there is no compiler, :func:`available` is False and the fused layers keep PyTorch's kernel.
+kernels, or there is no compiler, :func:`available` is False and the callers keep PyTorch's kernels.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "int4_bf16.cpp"
+SOURCE = Path(__file__).with_name("csrc") / "bf16_cpu.cpp"
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
 """What the kernel's instructions need, as /proc/cpuinfo spells them."""
 ROWS_PER_BLOCK = 4
@@ -77,7 +83,7 @@ def _library_path(compiler: str) -> Path:
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     digest = hashlib.sha256(SOURCE.read_bytes() + version.encode()).hexdigest()[:16]
-    return cache_root() / "kernels" / f"int4_bf16-{digest}.so"
+    return cache_root() / "kernels" / f"bf16_cpu-{digest}.so"
 
 
 def build(compiler: str | None = None) -> Path:
@@ -113,6 +119,10 @@ def library() -> ctypes.CDLL | None:
             lib.orbitctl_int4_bf16_mm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
             lib.orbitctl_int4_bf16_dequantize.restype = ctypes.c_int
             lib.orbitctl_int4_bf16_dequantize.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+            lib.orbitctl_decode_attention.restype = ctypes.c_int
+            lib.orbitctl_decode_attention.argtypes = (
+                [ctypes.c_void_p] + [ctypes.c_int64] * 2 + ([ctypes.c_void_p] + [ctypes.c_int64] * 3) * 2
+                + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_float])
             return lib
     log.info("INT4 AVX512-BF16 kernel not used: %s", why)
     return None
@@ -125,7 +135,7 @@ def available() -> bool:
 
 def pack(weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A checkpoint INT4 weight (int32 words [out, in/8], scales [out, in/group]) in the kernel's layout:
-    (uint8 codes [out, in/2], float32 scales [out, in/group]); see ``csrc/int4_bf16.cpp``."""
+    (uint8 codes [out, in/2], float32 scales [out, in/group]); see ``csrc/bf16_cpu.cpp``."""
     from orbitctl.codec.formats import unpack_int4
 
     out_features, words = weight_packed.shape
@@ -174,3 +184,46 @@ def dequantize_into(packed: torch.Tensor, scales: torch.Tensor, group_size: int,
 def matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
     """x W^T for bf16 x [M, in] (made contiguous): [M, out] bf16. Only where :func:`available`."""
     return _mm(x.to(torch.bfloat16).contiguous(), packed, scales, group_size)
+
+
+@torch.library.custom_op("orbitctl::decode_attention", mutates_args=(), device_types="cpu")
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+            scaling: float) -> torch.Tensor:
+    batch, heads, _, dim = query.shape
+    kv_heads, length, dim_v = key.shape[1], key.shape[2], value.shape[-1]
+    out = torch.empty(batch, heads, 1, dim_v, dtype=torch.bfloat16)
+    failed = library().orbitctl_decode_attention(
+        query.data_ptr(), query.stride(0), query.stride(1), key.data_ptr(), key.stride(0), key.stride(1),
+        key.stride(2), value.data_ptr(), value.stride(0), value.stride(1), value.stride(2),
+        mask.data_ptr() if mask is not None else None, mask.stride(0) if mask is not None else 0, out.data_ptr(),
+        batch, heads, kv_heads, length, dim, dim_v, scaling)
+    if failed:
+        raise ValueError(f"the decode attention kernel cannot take heads {heads}/{kv_heads} of {dim}/{dim_v}")
+    return out
+
+
+@_attend.register_fake
+def _(query, key, value, mask, scaling):
+    return query.new_empty(*query.shape[:3], value.shape[-1])
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     scaling: float) -> torch.Tensor | None:
+    """:func:`orbitctl.model.decode_attention.decode_attention` for bf16 tensors on a CPU where :func:`available`,
+    reading the cache's strided views in place (no float32 copy of K and V); None where it does not apply (the
+    caller's torch path then runs): other dtypes, head sizes not a multiple of 32 (values: 16, at most 128), a
+    mask per head."""
+    batch, heads, positions, dim = query.shape
+    dim_v = value.shape[-1]
+    if (positions != 1 or not available() or dim % CHUNK or dim_v % 16 or dim_v > 128
+            or any(t.dtype != torch.bfloat16 or t.stride(-1) != 1 for t in (query, key, value))):
+        return None
+    additive = None
+    if mask is not None:
+        if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
+            return None
+        rows = mask[:, 0, 0, :]
+        additive = (torch.zeros(rows.shape, dtype=torch.float32).masked_fill_(~rows, float("-inf"))
+                    if rows.dtype == torch.bool else rows.to(torch.float32))
+        additive = additive.expand(batch, key.shape[2]).contiguous()
+    return _attend(query, key, value, additive, float(scaling))
