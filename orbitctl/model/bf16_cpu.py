@@ -146,7 +146,14 @@ def pack(weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> tuple[torch
     return packed.contiguous(), weight_scale.to(torch.float32).contiguous()
 
 
-@torch.library.custom_op("orbitctl::int4_bf16_mm", mutates_args=(), device_types="cpu")
+# the kernels as dispatcher ops (an op counter, a profiler and fake tensors see them), defined with their schemas and
+# a CPU kernel each: about half the per-call cost of torch.library.custom_op's Python wrapper (12 against 19 us)
+_OPS = torch.library.Library("orbitctl", "FRAGMENT")
+_OPS.define("int4_bf16_mm(Tensor x, Tensor packed, Tensor scales, int group_size) -> Tensor")
+_OPS.define("int4_bf16_dequantize(Tensor packed, Tensor scales, int group_size, Tensor(a!) out) -> ()")
+_OPS.define("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? mask, float scaling) -> Tensor")
+
+
 def _mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
     rows, in_features = x.shape
     out = torch.empty(rows, packed.shape[0], dtype=torch.bfloat16)
@@ -158,12 +165,10 @@ def _mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size:
     return out
 
 
-@_mm.register_fake
-def _(x, packed, scales, group_size):
+def _mm_fake(x, packed, scales, group_size):
     return x.new_empty(x.shape[0], packed.shape[0])
 
 
-@torch.library.custom_op("orbitctl::int4_bf16_dequantize", mutates_args=("out",), device_types="cpu")
 def _dequantize(packed: torch.Tensor, scales: torch.Tensor, group_size: int, out: torch.Tensor) -> None:
     rows, in_features = out.shape
     if library().orbitctl_int4_bf16_dequantize(packed.data_ptr(), scales.data_ptr(), out.data_ptr(), rows,
@@ -177,16 +182,15 @@ def dequantize_into(packed: torch.Tensor, scales: torch.Tensor, group_size: int,
     float32 route makes five over int32 and float32 copies. Only where :func:`available`."""
     if out.dtype != torch.bfloat16 or not out.is_contiguous():
         raise ValueError("dequantize_into writes a contiguous bf16 tensor")
-    _dequantize(packed, scales, group_size, out)
+    torch.ops.orbitctl.int4_bf16_dequantize(packed, scales, group_size, out)
     return out
 
 
 def matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
     """x W^T for bf16 x [M, in] (made contiguous): [M, out] bf16. Only where :func:`available`."""
-    return _mm(x.to(torch.bfloat16).contiguous(), packed, scales, group_size)
+    return torch.ops.orbitctl.int4_bf16_mm(x.to(torch.bfloat16).contiguous(), packed, scales, group_size)
 
 
-@torch.library.custom_op("orbitctl::decode_attention", mutates_args=(), device_types="cpu")
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
             scaling: float) -> torch.Tensor:
     batch, heads, _, dim = query.shape
@@ -202,9 +206,14 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
     return out
 
 
-@_attend.register_fake
-def _(query, key, value, mask, scaling):
+def _attend_fake(query, key, value, mask, scaling):
     return query.new_empty(*query.shape[:3], value.shape[-1])
+
+
+for _name, _kernel in (("int4_bf16_mm", _mm), ("int4_bf16_dequantize", _dequantize), ("decode_attention", _attend)):
+    _OPS.impl(_name, _kernel, "CPU")
+torch.library.register_fake("orbitctl::int4_bf16_mm", _mm_fake, lib=_OPS)
+torch.library.register_fake("orbitctl::decode_attention", _attend_fake, lib=_OPS)
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
@@ -226,4 +235,4 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         additive = (torch.zeros(rows.shape, dtype=torch.float32).masked_fill_(~rows, float("-inf"))
                     if rows.dtype == torch.bool else rows.to(torch.float32))
         additive = additive.expand(batch, key.shape[2]).contiguous()
-    return _attend(query, key, value, additive, float(scaling))
+    return torch.ops.orbitctl.decode_attention(query, key, value, additive, float(scaling))

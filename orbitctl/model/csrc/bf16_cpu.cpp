@@ -36,11 +36,12 @@ ORBITCTL_TARGET inline __m512i group_table(float scale) {
   return _mm512_castsi256_si512((__m256i)table);
 }
 
-ORBITCTL_TARGET inline __m512i dequantize_chunk(const uint8_t* bytes, __m512i table, __m512i shifts, __m512i mask) {
-  // 16 bytes -> 32 words (the bytes twice), the low nibbles in words 0..15 and the high ones in 16..31, looked up
-  __m256i twice = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-  __m512i codes = _mm512_and_si512(_mm512_srlv_epi16(_mm512_cvtepu8_epi16(twice), shifts), mask);
-  return _mm512_permutexvar_epi16(codes, table);
+ORBITCTL_TARGET inline __m512i dequantize_chunk(const uint8_t* bytes, __m512i table) {
+  // 16 bytes -> their low nibbles (k = 32c..32c+15) then their high ones (32c+16..32c+31), widened to words, looked up
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+  return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo)), table);
 }
 
 template <int R>
@@ -71,9 +72,6 @@ inline uint16_t round_to_bf16(float f) {  // to nearest, ties to even (finite va
 ORBITCTL_TARGET void blocks(const uint16_t* x, const uint8_t* packed, const float* scales, uint16_t* out, int64_t M,
                             int64_t N, int64_t K, int64_t G, int64_t first, int64_t last, __m512i* w) {
   const int64_t chunks = K / 32, groups = K / G, per_group = G / 32;
-  const __m512i shifts = _mm512_set_epi16(4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4,
-                                          0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512i mask = _mm512_set1_epi16(0xF);
   float sums[MR * NR];
   for (int64_t b = first; b < last; ++b) {
     const int64_t n0 = b * NR;
@@ -84,7 +82,7 @@ ORBITCTL_TARGET void blocks(const uint16_t* x, const uint8_t* packed, const floa
         const __m512i table = group_table(scale[g]);
         for (int64_t q = 0; q < per_group; ++q) {
           const int64_t c = g * per_group + q;
-          w[j * chunks + c] = dequantize_chunk(row + c * 16, table, shifts, mask);
+          w[j * chunks + c] = dequantize_chunk(row + c * 16, table);
         }
       }
     }
@@ -103,16 +101,13 @@ ORBITCTL_TARGET void dequantize_rows(const uint8_t* packed, const float* scales,
                                      int64_t G, int64_t first, int64_t last) {
   // the chunk's words come out in k order (low nibbles: k = 32c..32c+15, high: 32c+16..32c+31)
   const int64_t groups = K / G, per_group = G / 32;
-  const __m512i shifts = _mm512_set_epi16(4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4,
-                                          0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512i mask = _mm512_set1_epi16(0xF);
   for (int64_t n = first; n < last; ++n) {
     const uint8_t* row = packed + n * (K / 2);
     for (int64_t g = 0; g < groups; ++g) {
       const __m512i table = group_table(scales[n * groups + g]);
       for (int64_t q = 0; q < per_group; ++q) {
         const int64_t c = g * per_group + q;
-        _mm512_storeu_si512(out + n * K + c * 32, dequantize_chunk(row + c * 16, table, shifts, mask));
+        _mm512_storeu_si512(out + n * K + c * 32, dequantize_chunk(row + c * 16, table));
       }
     }
   }
