@@ -81,12 +81,9 @@ def workspace_bytes() -> int:
 
 
 def _plain_cpu(t: torch.Tensor) -> bool:
-    """A real CPU tensor in eager mode: not fake or meta (the planner's shadow runs), not traced."""
-    if torch.compiler.is_compiling():  # first: dynamo cannot trace the dispatch-mode query
-        return False
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    return t.device.type == "cpu" and type(t) in (torch.Tensor, nn.Parameter) and _get_current_dispatch_mode() is None
+    """A real CPU tensor in eager mode (:func:`real_eager`): not fake or meta (the planner's shadow runs), not traced;
+    under another dispatch mode (selective checkpointing's, an op counter) the workspace serves as without one."""
+    return t.device.type == "cpu" and real_eager(t)
 
 
 def real_eager(x: torch.Tensor) -> bool:
