@@ -80,3 +80,19 @@ def test_the_plan_counts_the_kept_outputs_and_a_recompute_without_the_frozen_mat
     # every reached layer's outputs, less the one being recomputed (counted among its saved tensors already)
     assert 0 < extra <= per_token * tokens
     assert kept.timing.phases["policy_update"].seconds < full.timing.phases["policy_update"].seconds
+
+
+def test_the_output_layer_reads_a_contiguous_input_whatever_positions_are_kept(profile_policy):
+    """transformers slices the kept positions out of the hidden states; a strided 3-D input would make the output
+    layer's matmul copy its weight once per row ([B, H, V]) in the forward and again in the backward."""
+    policy, split, _ = profile_policy("tiny-cpu.yaml")
+    seen = []
+    handle = policy.output_layer.register_forward_hook(lambda m, args, out: seen.append(args[0].is_contiguous()))
+    try:
+        ids, mask = policy.encode_prompts([it.prompt for it in split.train[:2]])
+        completion = torch.randint(3, 40, (2, 3), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            logits = policy.completion_logits(ids, mask, completion, torch.ones_like(completion))
+    finally:
+        handle.remove()
+    assert seen == [True] and logits.shape[:2] == (2, 3)
