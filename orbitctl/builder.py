@@ -15,7 +15,7 @@ from pathlib import Path
 
 from orbitctl.errors import UserError
 from orbitctl.model import cpu_dtype
-from orbitctl.rundir import atomic_dir
+from orbitctl.rundir import atomic_dir, cache_root
 from orbitctl.units import TORCH_DTYPE_NAMES
 
 
@@ -26,10 +26,6 @@ class PreparedBase:
     built: bool
     """True when this call built or quantized something (False: served from the cache)."""
     notes: dict
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("ORBITCTL_CACHE") or Path.home() / ".cache" / "orbitctl")
 
 
 def _quant_settings(profile) -> dict:

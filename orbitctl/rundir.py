@@ -34,6 +34,12 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 from orbitctl.errors import InputFileError
 
+
+def cache_root() -> Path:
+    """Where orbitctl caches what it builds (quantized bases, the demo model, compiled kernels): ``$ORBITCTL_CACHE``,
+    else ``~/.cache/orbitctl``."""
+    return Path(os.environ.get("ORBITCTL_CACHE") or Path.home() / ".cache" / "orbitctl")
+
 PARTIAL_SUFFIX = ".partial"
 """What a file is called while it is written: ``name.partial`` next to ``name``."""
 

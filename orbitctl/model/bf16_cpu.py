@@ -79,7 +79,7 @@ def _compiler() -> str | None:
 
 
 def _library_path(compiler: str) -> Path:
-    from orbitctl.builder import cache_root
+    from orbitctl.rundir import cache_root
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     digest = hashlib.sha256(SOURCE.read_bytes() + version.encode()).hexdigest()[:16]

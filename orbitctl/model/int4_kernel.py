@@ -31,11 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
+from orbitctl.plan.recompute import KERNEL_OPS
+
 KERNEL_GROUPS = (32, 64, 128, 256)
 """Group sizes the CPU kernel takes."""
-KERNEL_OPS = ("_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm", "int4_bf16_mm")
-"""The dispatched ops' names of the fused kernels (PyTorch's CPU kernel, tinygemm, orbitctl's AVX512-BF16 kernel),
-as an op counter (:func:`orbitctl.rl.steptime.dispatched_ops`) names them."""
 
 
 def ran_kernel(ops) -> bool:

@@ -100,9 +100,10 @@ class Policy:
     """Frozen base + adapters; ``model`` is a PeftModel (LoRA) or the base with bottleneck layers."""
 
     def __init__(self, model, tokenizer, report: AdapterReport, *, hidden_size: int, adapter_kind: str,
-                 gradient_checkpointing: bool = True, keep_frozen_outputs: bool = False, lockstep=None, chat_template: bool = False,
-                 kv_dtype: str = "bf16", router_replay: bool = False, system_prompt: str | None = None,
-                 decode_graphs: bool | str = "auto", continuous_batching: bool = False) -> None:
+                 gradient_checkpointing: bool = True, keep_frozen_outputs: bool = False, lockstep=None,
+                 chat_template: bool = False, kv_dtype: str = "bf16", router_replay: bool = False,
+                 system_prompt: str | None = None, decode_graphs: bool | str = "auto",
+                 continuous_batching: bool = False) -> None:
         from orbitctl.model.expert_parallel import SOLO
         from orbitctl.model.router_replay import RouterTape
 
@@ -134,7 +135,7 @@ class Policy:
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         if gradient_checkpointing:
-            from orbitctl.model.recompute import checkpoint_kwargs
+            from orbitctl.plan.recompute import checkpoint_kwargs
 
             kwargs = checkpoint_kwargs(keep_frozen_outputs=keep_frozen_outputs)
             if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.2x

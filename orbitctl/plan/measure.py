@@ -103,7 +103,7 @@ def _run_fake_step(small: ArchSpec, profile, adapters) -> tuple[dict, list[str]]
     from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from orbitctl.model.recompute import checkpoint_kwargs
+    from orbitctl.plan.recompute import checkpoint_kwargs
     from orbitctl.plan.shadow import attach_shadow_adapters, freeze_to_buffers, register_flash_style_attention
 
     mem = profile.memory

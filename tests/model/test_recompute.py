@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orbitctl.model.recompute import checkpoint_kwargs, keeps
+from orbitctl.plan.recompute import checkpoint_kwargs, keeps
 
 
 def _enable(policy, keep: bool) -> None:

@@ -1,4 +1,5 @@
-"""``memory.keep_frozen_outputs``: a checkpointed layer's recompute without the frozen base's matmuls.
+"""``memory.keep_frozen_outputs``: a checkpointed layer's recompute without the frozen base's matmuls (the rule the
+plan counts and train builds: here, below both).
 
     kwargs = checkpoint_kwargs(keep_frozen_outputs=True)   # for torch.utils.checkpoint.checkpoint
     model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -23,12 +24,14 @@ import functools
 
 MATMULS = ("mm", "addmm", "bmm")
 """Matmul ops whose last operand is the weight (``addmm``'s first operand is the bias)."""
+KERNEL_OPS = ("_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm", "int4_bf16_mm")
+"""The dispatched ops' names of the fused INT4 kernels (PyTorch's CPU kernel, tinygemm, orbitctl's AVX512-BF16
+kernel, :mod:`orbitctl.model.bf16_cpu`), as an op counter (:func:`orbitctl.rl.steptime.dispatched_ops`) names them:
+their outputs are the frozen weights' and are kept."""
 
 
 def keeps(op, args) -> bool:
     """Whether a dispatched op's output is kept rather than recomputed: a frozen weight's matmul or a fused kernel."""
-    from orbitctl.model.int4_kernel import KERNEL_OPS
-
     name = op.overloadpacket.__name__
     if name in KERNEL_OPS:
         return True
