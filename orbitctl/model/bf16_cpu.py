@@ -124,12 +124,12 @@ def library() -> ctypes.CDLL | None:
                 [ctypes.c_void_p] + [ctypes.c_int64] * 2 + ([ctypes.c_void_p] + [ctypes.c_int64] * 3) * 2
                 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_float])
             return lib
-    log.info("INT4 AVX512-BF16 kernel not used: %s", why)
+    log.info("orbitctl's AVX512-BF16 kernels not used (PyTorch's run instead): %s", why)
     return None
 
 
 def available() -> bool:
-    """Whether fused INT4 layers on this CPU take this kernel (see the module's docstring)."""
+    """Whether this process runs these kernels: fused INT4 layers exact in bf16 and the bf16 decode attention."""
     return library() is not None
 
 

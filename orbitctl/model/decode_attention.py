@@ -17,6 +17,9 @@ and in the exponential (the kernel's is a vectorised approximation), so the deco
 full-sequence forward agree to the compute dtype's rounding, not bit for bit: the kernel floor that
 verify-alignment measures on the machine that runs it (:mod:`orbitctl.align.floor`).
 
+In bf16 on a CPU with AVX512-BF16 the same sums run in :func:`orbitctl.model.bf16_cpu.decode_attention`, which
+reads K and V where the cache holds them instead of converting the history to float32 every step.
+
 Everything else goes to transformers' SDPA attention unchanged: any forward with more than one query
 position (the prefill and the whole train path), a GPU (whose SDPA kernels have a decode path), autograd,
 dropout, the planner's fake tensors and compiled graphs.

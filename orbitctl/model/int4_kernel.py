@@ -141,7 +141,8 @@ class Int4Pack:
         why = unsupported_shape(out_features, in_features, group_size, device.type)
         if why is not None:
             raise ValueError(f"the fused INT4 kernel cannot take this weight: {why}")
-        if device.type == "cpu" and bf16_cpu.available() and scales_exact_in_bf16(weight_scale):
+        if (device.type == "cpu" and bf16_cpu.available() and scales_exact_in_bf16(weight_scale)
+                and bf16_cpu.unsupported_shape(out_features, in_features, group_size) is None):
             packed, scales = bf16_cpu.pack(weight_packed, weight_scale)
             return cls(packed, [scales], group_size, in_features, out_features, kind="bf16")
         with torch.no_grad():
