@@ -26,6 +26,7 @@ _RANK_RES = (
     re.compile(r"^\s*[Rr]ank ?(\d{1,5})\s?:"),
     re.compile(r"--local_rank=(\d{1,5})"),
     re.compile(r"\brank=(\d{1,5})\b"),  # vLLM workers: "(VllmWorker rank=3 pid=1090)"
+    re.compile(r"\(Worker(?:_PP\d{1,4})?_TP(\d{1,4})(?!\d)"),  # vLLM V1 workers: "(Worker_TP1 pid=15193)", "Worker_TP0_EP0"
     re.compile(r"\blocal_rank: (\d{1,5}) \(pid"),  # torchrun: "failed (exitcode: -9) local_rank: 3 (pid: 812917)"
     re.compile(r"^\s*\[[^\]]{0,40}?\bTP(\d{1,4})\]"),  # SGLang schedulers: "[2025-07-02 07:41:59 DP7 TP7]"
 )

@@ -8,6 +8,8 @@
   exception printed before it is the cause, and gets that rank when it names none.
 - A log that ends inside a traceback, with no confident cause, lost the line that says what failed
   (log.cut: WARN, never a guess).
+- Triton's "PTXAS error" beside ptxas's own "Value 'sm_XX' is not defined" is one failure: the compile
+  finding is shown as WARN "the same failure: see log.triton.ptxas".
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def apply_rules(groups: dict[str, Group], scan: Scan) -> None:
     _zero3_hang(groups)
     _launcher(groups, scan)
     _cut(groups, scan)
+    _ptxas(groups)
 
 
 def strongest(groups: dict[str, Group], exclude: tuple[str, ...] = ()) -> int:
@@ -127,3 +130,8 @@ def _cut(groups: dict[str, Group], scan: Scan) -> None:
               "PYTHONUNBUFFERED=1", events=[Event(None, no, None, where)])
     g.evidence.append(f"line {no}: last frame {where}; no exception line follows it")
     groups[g.id] = g
+
+
+def _ptxas(groups: dict[str, Group]) -> None:
+    if "log.triton.ptxas" in groups and "log.triton.compile" in groups:
+        groups["log.triton.compile"].note = "the same failure: see log.triton.ptxas"

@@ -3,7 +3,10 @@
 ``priority`` ranks root causes above their consequences: hardware and start-up faults
 (Xid, ECC, fabric, driver, arch) > memory > CUDA faults > NCCL transport errors > generic
 NCCL errors > peers exiting > watchdog timeouts > communicator aborts. The RL stack's own
-failures (engine KV cache, LoRA, ZeRO-3, checkpoint I/O, thread limits) rank with memory faults;
+failures (engine KV cache, LoRA, ZeRO-3, checkpoint I/O, thread limits) rank with memory faults; the
+GPU paths' (a CPU tensor in an NCCL collective, CUDA-graph capture, Triton and INT4 kernels: code or versions that
+fail the same way every run) rank among the memory and CUDA faults (73-78), and Triton's ptxas not knowing the
+GPU with arch;
 ``sync.ctx`` (INFO) and ``zero3.trace`` (WARN) are context that orbitctl.doctor.rules reads to
 place a transport failure or a hang, and ``launcher`` (WARN) is only the launcher's summary of
 a rank that exited. ``needles`` are
@@ -284,6 +287,77 @@ SIGNATURES: list[Signature] = [
          "a CUDA kernel crashed (unspecified launch failure)",
          "Check the kernel log for Xid 13/31/43/79 (`dmesg | grep -i xid`); rerun with CUDA_LAUNCH_BLOCKING=1",
          priority=64, supersedes=("cuda.err", "nccl.cudaf",)),
+    # the GPU paths: a collective given a CPU tensor, CUDA-graph capture, Triton kernels, INT4 kernels. Each is a
+    # deterministic failure of code or versions (the same run fails the same way), so each outranks what follows it
+    _sig("nccl.cpu", r"No backend type associated with device type cpu\b", ("no backend type associated",),
+         "a CPU tensor was passed to a collective of an NCCL-only process group (NCCL takes CUDA tensors; the group "
+         "has no gloo backend for cpu)",
+         "Send every collective through orbitctl/dist/collectives.py (the one helper: scalars travel on "
+         "group_device(group), the device the group's backend takes, cuda for nccl) instead of calling "
+         "torch.distributed on a CPU tensor; `pytest -k rehearsal` (the CUDA rehearsal on the CPU) fails on such a "
+         "call, naming its file and line, before a GPU run. In other code: "
+         "move the tensor to torch.cuda.current_device() first, or create the group with "
+         "backend=\"cpu:gloo,cuda:nccl\"", priority=73),
+    _sig("cuda.graph", r"operation not permitted when stream is capturing|cudaErrorStreamCapture\w{2,20}|"
+         r"CUDA_ERROR_STREAM_CAPTURE_\w{2,20}|during CUDA graph capture|operation failed due to a previous error during "
+         r"capture|capturing stream has unjoined work",
+         ("stream is capturing", "streamcapture", "stream_capture", "during cuda graph capture",
+          "previous error during capture", "unjoined work"),
+         "CUDA-graph capture failed: an op in the captured step cannot be captured (a host sync such as .item(), "
+         ".cpu() or a blocking copy, a data-dependent shape, an RNG state read, a copy from unpinned CPU memory, or an "
+         "eager collective)",
+         "Decode eagerly: set rollout.decode_graphs: false (an engine's own graphs: vLLM --enforce-eager, SGLang "
+         "--disable-cuda-graph). The rehearsal's capturability check (Rehearsal.capturable, `pytest -k rehearsal`) "
+         "names the op and its line: a host sync or a data-dependent shape in the captured decode step. 'operation "
+         "failed due to a previous error during capture' (cudaErrorStreamCaptureInvalidated) follows an earlier error: "
+         "read the first one above it",
+         priority=76, supersedes=("cuda.err", "nccl.cudaf", "nccl.cuda")),
+    _sig("triton.smem", r"(?:OutOfResources: )?out of resource: (?P<res>[a-z ]{1,30}), Required: (?P<req>\d+)"
+         r"[, ]{1,4}Hardware limit(?:ation)?: (?P<limit>\d+)|OutOfResources: out of resource", ("out of resource",),
+         "a Triton kernel's tile needs more shared memory than this GPU has: its block sizes and num_stages were "
+         "tuned for a larger GPU",
+         "orbitctl's grouped INT4 MoE kernel is a Triton kernel: set quant.kernel: dequantize to fall back from it to "
+         "dequantize + matmul. An engine's kernel (vLLM/SGLang fused MoE, FP8 block matmul): the engine version with a "
+         "tuned config for this GPU, or fewer num_stages / smaller BLOCK sizes in its kernel config", priority=77),
+    _sig("triton.ptxas", r"ptxas(?:-blackwell)? fatal\s{0,8}: Value '(?P<arch>sm_\w{1,8})' is not defined for option "
+         r"'gpu-name'", ("ptxas",),
+         "Triton's ptxas does not know this GPU's architecture: the Triton (or CUDA toolkit) is older than the GPU",
+         "Give Triton a ptxas that knows the GPU: export TRITON_PTXAS_PATH=/usr/local/cuda/bin/ptxas from a CUDA "
+         "toolkit new enough for it (sm_100 and sm_120 need CUDA 12.8+), or install a Triton (with its torch) built "
+         "for it; until then quant.kernel: dequantize keeps orbitctl's grouped INT4 kernel off Triton", priority=89,
+         supersedes=("triton.compile",)),
+    _sig("triton.compile", r"CompilationError(?::|\(')\s?at \d+:\d+:|triton\.compiler\.errors\.CompilationError|"
+         r"PTXASError: PTXAS error|Internal Triton PTX codegen error",
+         ("compilationerror", "ptxaserror", "internal triton ptx codegen error"),
+         "Triton could not compile a kernel (the kernel and this Triton version disagree, or the kernel does not "
+         "support this dtype, shape or GPU)",
+         "If it is orbitctl's grouped INT4 kernel (orbitctl/model/grouped_int4.py), set quant.kernel: dequantize; "
+         "otherwise run the Triton this torch was built with (install torch and triton from one index; "
+         "`python -c 'import torch, triton; print(torch.__version__, triton.__version__)'`) and an engine version "
+         "tested with it", priority=74),
+    _sig("int4.pack", r"_convert_weight_to_int4pack\w{0,12} ?: expect weight to be k\w{2,10}|"
+         r"Expected in\.dtype\(\) == at::k(?:Byte|Int) to be true|_weight_int4pack_mm\w{0,12} ?: expect \w{1,20} to be|"
+         r"Could not run 'aten::_(?:convert_weight_to_int4pack|weight_int4pack_mm)\w{0,12}' with arguments from the "
+         r"'(?P<backend>\w{1,40})' backend|operator 'aten::_(?:convert_weight_to_int4pack|weight_int4pack_mm)\w{0,12}' "
+         r"is not currently implemented for the (?P<device>\w{1,20}) device|object has no attribute "
+         r"'_(?:convert_weight_to_int4pack|weight_int4pack_mm)\w{0,12}'", ("int4pack", "in.dtype() == at::k"),
+         "torch's INT4 packing API changed under this code: _convert_weight_to_int4pack takes uint8 [n, k/2] since "
+         "torch 2.5 (int32 [n, k] before), the CPU ops became _convert_weight_to_int4pack_for_cpu / "
+         "_weight_int4pack_mm_for_cpu in 2.6, and a backend without the op (MPS, or CPU for the CUDA op) cannot run it",
+         "Set quant.kernel: dequantize (no packed INT4 kernel), or install the torch orbitctl supports "
+         "(pyproject.toml: torch>=2.6,<=2.14.1; orbitctl/model/int4_kernel.py packs for that torch's layout); a library "
+         "built against another torch's packing (torchao, optimum-quanto, hqq, gpt-fast) needs the torch it was built "
+         "for", priority=77),
+    _sig("int4.marlin", r"(?:size|prob)_[mnk] = (?P<size>\d+) is not divisible by (?P<by>tile_[nk]_size|thread_[mnk]) = "
+         r"(?P<div>\d+)|Weight (?:in|out)put_size_per_partition = (?P<size2>\d+) is not divisible by "
+         r"(?P<by2>min_thread_[nk]|min_[nk]_threads) = (?P<div2>\d+)|Invalid thread config: thread_m_blocks",
+         ("is not divisible by tile_", "is not divisible by thread_", "is not divisible by min_", "invalid thread config"),
+         "the Marlin kernel (GPTQ/AWQ INT4, and FP8 on GPUs before Hopper) cannot take this weight's per-rank shape: "
+         "the tensor-parallel slice is not a multiple of its tile",
+         "Use a rollout.engine_tp whose slices divide (Marlin needs a rank's N divisible by 64 and K by 128; usually a "
+         "smaller engine_tp), or start the engine without Marlin (vLLM --quantization gptq or awq instead of "
+         "gptq_marlin / awq_marlin); orbitctl's own INT4 path has no Marlin (quant.kernel: dequantize is its "
+         "fallback)", priority=78),
     # NCCL transport and setup
     _sig("nccl.shm", r"(?:creating|attaching to) shared memory segment|failed to extend /dev/shm|posix_fallocate failed|"
          r"shm_open failed|ncclShmOpen|insufficient shared memory \(shm\)",

@@ -155,6 +155,8 @@ def _enrich(g: Group, groups: dict[str, Group]) -> None:
         scales = [e.groups["scale"] for e in g.events]
         g.data.update(lowest=min(scales), last=scales[-1])
         g.evidence.append(f"loss scale down to {min(scales):g} after {len(scales)} overflow(s)")
+    elif g.id in GPU_PATH_IDS:
+        _gpu_path_numbers(g)
     elif g.id in ENGINE_IDS:
         message_advice(g)
     elif g.id == "log.host.oom":
@@ -171,6 +173,32 @@ def _enrich(g: Group, groups: dict[str, Group]) -> None:
     if g.id == "log.nccl.cudaf":
         errs = sorted({e.groups.get("err", "") for e in g.events} - {""})
         g.evidence.append("CUDA errors: " + ", ".join(errs[:5]))
+
+
+GPU_PATH_IDS = ("log.triton.smem", "log.triton.ptxas", "log.int4.marlin")
+
+
+def _gpu_path_numbers(g: Group) -> None:
+    """The numbers a GPU-path failure prints: shared memory asked for and present, the arch ptxas did not know, the
+    Marlin size that is no multiple of its tile."""
+    found = [e.groups for e in g.events]
+    if g.id == "log.triton.smem":
+        m = next((x for x in found if x.get("req")), None)
+        if m is not None:
+            g.data["shared_memory"] = {"required": int(m["req"]), "limit": int(m["limit"])}
+            g.evidence.append(f"the kernel needs {m['req']} bytes of shared memory; the GPU has {m['limit']}")
+    elif g.id == "log.triton.ptxas":
+        arch = next((x["arch"] for x in found if x.get("arch")), None)
+        if arch is not None:
+            g.data["arch"] = arch
+            g.evidence.append(f"this ptxas does not know {arch}")
+    else:
+        m = next((x for x in found if x.get("size") or x.get("size2")), None)
+        if m is not None:
+            size, div = int(m.get("size") or m["size2"]), int(m.get("div") or m["div2"])
+            g.data["marlin"] = {"size": size, "multiple_of": div, "remainder": size % div}
+            g.evidence.append(f"a rank's slice of {size} is not a multiple of the kernel's {div} "
+                              f"(remainder {size % div})")
 
 
 def _progress(groups: dict[str, Group]) -> dict[str, Any]:

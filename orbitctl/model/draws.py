@@ -88,9 +88,11 @@ class KeyedDraws:
 
         if probs.shape[0] != len(self.keys):
             raise ValueError(f"{probs.shape[0]} rows to sample, {len(self.keys)} keys")
-        cdf = probs.detach().double().cpu().cumsum(-1)
-        target = self.uniforms(step) * cdf[:, -1]
+        # where the probabilities are: the [B, V] rows never leave the device, only the B uniforms come to it (a
+        # host-to-device copy of B numbers, no sync); float64 keeps the CDF's sums the same on every device kind
+        cdf = probs.detach().double().cumsum(-1)
+        target = self.uniforms(step).to(cdf.device, non_blocking=True) * cdf[:, -1]
         # the first token whose cumulative mass reaches the target; a zero-probability token never does
         # (its CDF equals its predecessor's, which the target already exceeds)
         token = torch.searchsorted(cdf, target[:, None]).squeeze(-1)
-        return token.clamp(max=probs.shape[-1] - 1).to(probs.device)
+        return token.clamp(max=probs.shape[-1] - 1)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from orbitctl.dist import collectives as coll
 from orbitctl.errors import UserError
 from orbitctl.model.expert_lora import experts_by_row
 from orbitctl.model.grouped_int4 import takes_lora
@@ -65,56 +66,10 @@ class ExpertGroup:
         return owned_experts(self.rank, self.size, num_experts)
 
 
-def _exchange_counts(send: torch.Tensor, group) -> torch.Tensor:
-    import torch.distributed as dist
-
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv
-
-
 def _exchange(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group, *, grad: bool) -> torch.Tensor:
     """Rows of ``x`` split by ``send_counts`` to each rank; returns the rows received, split by ``recv_counts``."""
     out = x.new_empty((sum(recv_counts),) + tuple(x.shape[1:]))
-    if grad:
-        import warnings
-
-        from torch.distributed.nn.functional import all_to_all_single
-
-        with warnings.catch_warnings():  # deprecated in favour of a private module; still the public autograd one
-            warnings.simplefilter("ignore", FutureWarning)
-            return all_to_all_single(out, x, output_split_sizes=recv_counts, input_split_sizes=send_counts, group=group)
-    import torch.distributed as dist
-
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv_counts, input_split_sizes=send_counts,
-                           group=group)
-    return out
-
-
-def _all_gather(x: torch.Tensor, group, size: int) -> torch.Tensor:
-    """Every rank's ``x`` (all of one shape) stacked in rank order along the first dimension."""
-    import torch.distributed as dist
-
-    x = x.contiguous()
-    out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
-    if dist.get_backend(group) == "gloo":  # gloo has no all_gather_into_tensor for every dtype
-        dist.all_gather(list(out.chunk(size)), x, group=group)
-    else:
-        dist.all_gather_into_tensor(out, x, group=group)
-    return out
-
-
-def _reduce_scatter(x: torch.Tensor, group, size: int) -> torch.Tensor:
-    """The sum over the ranks of ``x`` [size x N, ...], this rank's N rows of it."""
-    import torch.distributed as dist
-
-    if dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter: the whole sum, this rank's rows kept
-        whole = x.contiguous()
-        dist.all_reduce(whole, group=group)
-        return whole.chunk(size)[dist.get_rank(group)].contiguous()
-    out = x.new_empty((x.shape[0] // size,) + tuple(x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
-    return out
+    return coll.all_to_all(out, x, recv_counts, send_counts, group, grad=grad)
 
 
 class ExpertParallelExperts(nn.Module):
@@ -166,9 +121,9 @@ class ExpertParallelExperts(nn.Module):
         sizes are known before the step, where the all-to-all needs the counts on the host."""
         tokens, k = top_k_index.shape
         size = self.ep.size
-        every = _all_gather(hidden_states, self.ep.group, size)
-        routes = _all_gather(top_k_index, self.ep.group, size).reshape(-1)
-        weights = _all_gather(top_k_weights, self.ep.group, size).reshape(-1, 1)
+        every = coll.all_gather(hidden_states, self.ep.group)
+        routes = coll.all_gather(top_k_index, self.ep.group).reshape(-1)
+        weights = coll.all_gather(top_k_weights, self.ep.group).reshape(-1, 1)
         local = routes - self.first
         mine = (local >= 0) & (local < self.per_rank)
         lora = self.expert_lora.bound() if self.expert_lora is not None else None
@@ -183,7 +138,7 @@ class ExpertParallelExperts(nn.Module):
         weighted = torch.where(mine[:, None], out * weights.to(out.dtype), torch.zeros((), dtype=out.dtype,
                                                                                         device=out.device))
         partial = weighted.view(size * tokens, k, -1).sum(1).to(hidden_states.dtype)
-        return _reduce_scatter(partial, self.ep.group, size)
+        return coll.reduce_scatter(partial, self.ep.group)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         from orbitctl.model.graph_decode import static_shapes_active
@@ -198,9 +153,10 @@ class ExpertParallelExperts(nn.Module):
             # by owner, then by expert: each owner receives its slots grouped by expert, in expert order
             order = torch.argsort(flat, stable=True)
             token_of = torch.div(order, k, rounding_mode="floor")
-            send_counts = torch.bincount(owner, minlength=self.ep.size)
-            recv_counts = _exchange_counts(send_counts, self.ep.group)
-            send_list, recv_list = send_counts.tolist(), recv_counts.tolist()
+            # rows for each owner at a static shape (bincount's size depends on the values)
+            send_counts = torch.zeros(self.ep.size, dtype=torch.long, device=owner.device).scatter_add_(
+                0, owner, torch.ones_like(owner))
+            send_list, recv_list = coll.exchange_counts(send_counts, flat.numel(), self.ep.group)
             recv_experts = _exchange(flat[order], send_list, recv_list, self.ep.group, grad=False)
         sent = _exchange(hidden_states[token_of], send_list, recv_list, self.ep.group, grad=grad)
         done = self._run_local(sent, recv_experts)
@@ -221,14 +177,10 @@ class Lockstep:
     def __init__(self, group: Any = None, active: bool = True) -> None:
         self.group, self.active = group, active
 
-    def _reduce(self, value: int, op) -> int:
-        import torch.distributed as dist
-
+    def _reduce(self, value: int, op: str) -> int:
         if not self.shared:
             return value
-        t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=op, group=self.group)
-        return int(t.item())
+        return coll.reduce_scalars([int(value)], op, self.group)[0]  # on the device the group's backend takes
 
     @property
     def shared(self) -> bool:
@@ -239,14 +191,10 @@ class Lockstep:
         return self.active and dist.is_initialized() and dist.get_world_size(self.group) > 1
 
     def all_done(self, done: bool) -> bool:
-        import torch.distributed as dist
-
-        return bool(self._reduce(int(done), dist.ReduceOp.MIN))
+        return bool(self._reduce(int(done), "min"))
 
     def rounds(self, n: int) -> int:
-        import torch.distributed as dist
-
-        return self._reduce(int(n), dist.ReduceOp.MAX)
+        return self._reduce(int(n), "max")
 
 
 SOLO = Lockstep(active=False)

@@ -293,7 +293,23 @@ def _load_with_quant_linear(path: Path, device: torch.device, compute_dtype: tor
     if missing:
         raise InputFileError(f"{path}: checkpoint has no tensor for {len(missing)} parameter(s), e.g. {missing[0]}",
                              fix="the checkpoint is incomplete; run orbitctl quantize --verify on it")
-    return model.to(device)
+    return _move_rest(model, device)
+
+
+def _move_rest(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` with the tensors it made itself (rotary tables, anything no checkpoint tensor replaced) moved to
+    ``device``; the loaded ones are there already and stay the same objects (tied weights stay tied)."""
+    def elsewhere(t: torch.Tensor) -> bool:
+        return t.device.type != device.type or (device.index is not None and t.device.index != device.index)
+
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is not None and elsewhere(param):
+                module._parameters[key] = nn.Parameter(param.to(device), requires_grad=param.requires_grad)
+        for key, buffer in module._buffers.items():
+            if buffer is not None and elsewhere(buffer):
+                module._buffers[key] = buffer.to(device)
+    return model
 
 
 def _quant_linear_for(prefix: str, in_f: int, out_f: int, shapes: dict[str, tuple], *,

@@ -78,28 +78,25 @@ def _expert_group(model):
 def same_batch_on_every_rank(model, batch: int, device: torch.device) -> bool:
     """Whether every rank of ``model``'s expert-parallel group decodes ``batch`` rows (True without expert
     parallelism); collective over that group, once per batch."""
-    import torch.distributed as dist
+    from orbitctl.dist.collectives import reduce_scalars
 
     ep = _expert_group(model)
     if ep is None:
         return True
-    extremes = torch.tensor([batch, -batch], dtype=torch.int64, device=device)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=ep.group)
-    return int(extremes[0]) == -int(extremes[1])
+    largest, negated_smallest = reduce_scalars([int(batch), -int(batch)], "max", ep.group)
+    return largest == -negated_smallest
 
 
 def every_rank_agrees(model, ok: bool, device: torch.device) -> bool:
     """Whether ``ok`` holds on every rank of ``model``'s expert-parallel group (``ok`` itself without expert
     parallelism); collective over that group. A graph capture that failed on one rank only must turn every rank's
     decode eager, or the ranks that replay would wait in collectives the eager one never joins."""
-    import torch.distributed as dist
+    from orbitctl.dist.collectives import reduce_scalars
 
     ep = _expert_group(model)
     if ep is None:
         return ok
-    flag = torch.tensor([int(ok)], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ep.group)
-    return bool(flag.item())
+    return bool(reduce_scalars([int(ok)], "min", ep.group)[0])
 
 
 def sync_free(model) -> bool:

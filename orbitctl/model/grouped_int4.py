@@ -82,7 +82,7 @@ def _kernel():
     def grouped_int4_kernel(a_ptr, w_ptr, s_ptr, c_ptr, rows_ptr, block_expert_ptr, slots, n, k,
                             stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
                             ROW_DIV: tl.constexpr, GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                            BK: tl.constexpr):
+                            BK: tl.constexpr, K_INTERPRETED: tl.constexpr = 0):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         expert = tl.load(block_expert_ptr + pid_m)
@@ -96,7 +96,17 @@ def _kernel():
             w_base = w_ptr + expert.to(tl.int64) * stride_we
             s_base = s_ptr + expert.to(tl.int64) * stride_se
             acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for k0 in range(0, k, BK):
+            # The K loop's bound: the runtime ``k`` when compiled (K_INTERPRETED == 0, a constexpr, so the conditional
+            # is resolved while the kernel is traced and the GPU kernel is exactly that of ``range(0, k, BK)``: one
+            # scf.for over a runtime bound, pipelined as before). Under TRITON_INTERPRET=1 the launch passes ``k``
+            # again, as a Python int: the interpreter runs this loop as Python's ``range``, which converts a tensor
+            # bound with ``tensor.__index__``; Triton 3.6's is ``int(handle.data)``, and every interpreted scalar is a
+            # one-element 1-d NumPy array, which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted to
+            # Python scalars"; later Triton squeezes it first). The int must reach ``range`` inline: the interpreter
+            # turns every assigned value into such a tensor. A ``while`` loop would dodge it too, but compiles to
+            # another, unpipelined loop. The data-dependent skip above (``if expert >= 0``) needs no other form: it
+            # goes through ``tensor.__bool__``, which takes a one-element array on every NumPy.
+            for k0 in range(0, K_INTERPRETED if K_INTERPRETED > 0 else k, BK):
                 offs_k = k0 + tl.arange(0, BK)
                 k_ok = offs_k < k
                 a = tl.load(a_ptr + a_row[:, None] * stride_am + offs_k[None, :],
@@ -129,36 +139,68 @@ def grouped_int4_mm(a: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     block_n = 64 if n >= 64 else 32
     block_k = max(32, min(64, group))
     grid = (block_expert.shape[0], triton.cdiv(n, block_n))
-    _kernel()[grid](a, words, scales, out, rows, block_expert, slots, n, k,
-                    a.stride(0), words.stride(0), words.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
-                    ROW_DIV=row_div, GROUP=group, BM=block_m, BN=block_n, BK=block_k)
+    kernel = _kernel()
+    interpreted = not isinstance(kernel, triton.runtime.JITFunction)  # TRITON_INTERPRET=1: an InterpretedFunction
+    kernel[grid](a, words, scales, out, rows, block_expert, slots, n, k,
+                 a.stride(0), words.stride(0), words.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
+                 ROW_DIV=row_div, GROUP=group, BM=block_m, BN=block_n, BK=block_k,
+                 K_INTERPRETED=k if interpreted else 0)
     return out
 
 
+def grouped_int4_grad(grad_out: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor,
+                      rows_a: int, row_div: int) -> torch.Tensor:
+    """The input's gradient of :func:`grouped_int4_mm`: ``grad[r] = sum over slots s with s // row_div = r of
+    grad_out[s] @ W[e(s)]``, through each hit expert's dequantized weight (the weights are frozen). Reads which
+    experts were hit on the host: eager only, as a backward is."""
+    from orbitctl.codec.formats import dequantize_int4
+
+    k = words.shape[-1] * 8
+    grad = grad_out.new_zeros(rows_a, k, dtype=torch.float32)
+    for e in torch.unique(experts).tolist():
+        if e >= words.shape[0]:  # a skipped slot (ExpertStack.forward's ``skip``): no expert ran it
+            continue
+        slots = torch.nonzero(experts == e).squeeze(-1)
+        w = dequantize_int4(words[e], scales[e], k, grad_out.dtype)
+        grad.index_add_(0, torch.div(slots, row_div, rounding_mode="floor"), (grad_out[slots] @ w).float())
+    return grad.to(grad_out.dtype)
+
+
+# The kernel and its gradient as dispatcher ops: one implementation for CUDA tensors and for the interpreter's CPU
+# tensors, and a fake one (shapes only) for FakeTensorMode, under which the CUDA rehearsal runs the layer's
+# forward and backward on a CPU (orbitctl.dist.rehearsal) and torch.compile would trace it
+_OPS = torch.library.Library("orbitctl", "FRAGMENT")
+_OPS.define("grouped_int4_mm(Tensor a, Tensor words, Tensor scales, Tensor rows, Tensor block_expert, int slots, "
+            "int row_div) -> Tensor")
+_OPS.define("grouped_int4_grad(Tensor grad_out, Tensor words, Tensor scales, Tensor experts, int rows_a, "
+            "int row_div) -> Tensor")
+for _device in ("CPU", "CUDA"):
+    _OPS.impl("grouped_int4_mm", grouped_int4_mm, _device)
+    _OPS.impl("grouped_int4_grad", grouped_int4_grad, _device)
+torch.library.register_fake(
+    "orbitctl::grouped_int4_mm", lambda a, words, scales, rows, block_expert, slots, row_div:
+    a.new_empty(slots, words.shape[1]), lib=_OPS)
+torch.library.register_fake(
+    "orbitctl::grouped_int4_grad", lambda grad_out, words, scales, experts, rows_a, row_div:
+    grad_out.new_empty(rows_a, words.shape[-1] * 8), lib=_OPS)
+
+
 class _GroupedProjection(torch.autograd.Function):
-    """:func:`grouped_int4_mm` whose backward gives the input's gradient through each expert's dequantized weight
-    (the weights are frozen; the kernel is forward-only)."""
+    """:func:`grouped_int4_mm` whose backward gives the input's gradient (:func:`grouped_int4_grad`; the weights are
+    frozen, the kernel is forward-only)."""
 
     @staticmethod
     def forward(ctx, a, words, scales, rows, block_expert, experts, row_div):
         ctx.save_for_backward(words, scales, experts)
         ctx.row_div, ctx.rows_a = row_div, a.shape[0]
-        return grouped_int4_mm(a, words, scales, rows, block_expert, experts.shape[0], row_div)
+        return torch.ops.orbitctl.grouped_int4_mm(a, words, scales, rows, block_expert, experts.shape[0], row_div)
 
     @staticmethod
     def backward(ctx, grad_out):
-        from orbitctl.codec.formats import dequantize_int4
-
         words, scales, experts = ctx.saved_tensors
-        k = words.shape[-1] * 8
-        grad = grad_out.new_zeros(ctx.rows_a, k, dtype=torch.float32)
-        for e in torch.unique(experts).tolist():
-            if e >= words.shape[0]:  # a skipped slot (ExpertStack.forward's ``skip``): no expert ran it
-                continue
-            slots = torch.nonzero(experts == e).squeeze(-1)
-            w = dequantize_int4(words[e], scales[e], k, grad_out.dtype)
-            grad.index_add_(0, torch.div(slots, ctx.row_div, rounding_mode="floor"), (grad_out[slots] @ w).float())
-        return grad.to(grad_out.dtype), None, None, None, None, None, None
+        grad = torch.ops.orbitctl.grouped_int4_grad(grad_out.contiguous(), words, scales, experts, ctx.rows_a,
+                                                    ctx.row_div)
+        return grad, None, None, None, None, None, None
 
 
 def grouped_reference(a: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor,

@@ -34,19 +34,27 @@ def _moe_config(hidden: int, experts: int, expert_width: int, moe_layers: int, v
 
 def write_int4_moe(out_dir: str | Path, *, hidden: int = 512, experts: int = 16, expert_width: int = 256,
                    moe_layers: int = 2, vocab: int = 1024, top_k: int = 2, group_size: int = 32, seed: int = 0,
-                   shard_bytes: int = 512 * MiB) -> Path:
-    """Write the checkpoint into ``out_dir`` (created) and return it."""
+                   shard_bytes: int = 512 * MiB, config: dict | None = None, header_only: bool = False) -> Path:
+    """Write the checkpoint into ``out_dir`` (created) and return it. ``config``: a whole DeepSeek-V3-type config
+    instead of the one the sizes make (an architecture's own, at reduced depth). ``header_only``: each shard holds
+    its safetensors header and no data, a sparse file of the full length (a checkpoint of any width in no disk
+    space; the CUDA rehearsal reads no value of it, :mod:`orbitctl.dist.rehearsal`)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from orbitctl.codec.formats import FormatSpec
     from orbitctl.codec.qconfig import quantization_config
-    from orbitctl.codec.safetensors_io import ShardWriter
     from orbitctl.rundir import atomic_write_json
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = AutoConfig.for_model("deepseek_v3", **_moe_config(hidden, experts, expert_width, moe_layers, vocab, top_k))
+    settings = dict(config) if config is not None else _moe_config(hidden, experts, expert_width, moe_layers, vocab,
+                                                                    top_k)
+    settings.pop("quantization_config", None)
+    settings["model_type"] = "deepseek_v3"
+    config = AutoConfig.for_model(**settings)
+    experts, hidden = int(config.n_routed_experts), int(config.hidden_size)
+    expert_width, moe_layers = int(config.moe_intermediate_size), int(config.num_hidden_layers) - 1
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config)
     g = torch.Generator().manual_seed(seed)
@@ -55,6 +63,7 @@ def write_int4_moe(out_dir: str | Path, *, hidden: int = 512, experts: int = 16,
         if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
             continue  # fused in memory; written per expert below, as the converter does
         tensors.append((name, param.shape, "bf16"))
+    del model
     kept = sorted({n.rsplit(".", 1)[0] for n, _, _ in tensors if n.endswith(".weight")})
     for layer in range(1, moe_layers + 1):
         for e in range(experts):
@@ -64,11 +73,19 @@ def write_int4_moe(out_dir: str | Path, *, hidden: int = 512, experts: int = 16,
 
     def parts(name: str, shape: torch.Size, kind: str):
         if kind == "bf16":
+            if header_only:
+                yield name, _Absent(shape, torch.bfloat16)
+                return
             scale = 1.0 if name.endswith("norm.weight") or "layernorm" in name else 0.02
             value = torch.randn(shape, generator=g) * scale if "norm" not in name else torch.ones(shape)
             yield name, value.to(torch.bfloat16)
             return
         rows, cols = shape
+        if header_only:
+            yield f"{name}.weight_packed", _Absent((rows, cols // 8), torch.int32)
+            yield f"{name}.weight_scale", _Absent((rows, cols // group_size), torch.bfloat16)
+            yield f"{name}.weight_shape", torch.tensor([rows, cols], dtype=torch.int64)
+            return
         yield f"{name}.weight_packed", torch.randint(-2**31, 2**31 - 1, (rows, cols // 8), generator=g, dtype=torch.int64).to(torch.int32)
         yield f"{name}.weight_scale", (torch.rand(rows, cols // group_size, generator=g) * 0.01 + 0.001).to(torch.bfloat16)
         yield f"{name}.weight_shape", torch.tensor([rows, cols], dtype=torch.int64)
@@ -84,7 +101,7 @@ def write_int4_moe(out_dir: str | Path, *, hidden: int = 512, experts: int = 16,
                     writer.close()
                 shard += 1
                 files.append(out / f"model-{shard:05d}.safetensors")
-                writer = ShardWriter(files[-1], reserve=1 << 20)
+                writer = _HeaderOnlyWriter(files[-1]) if header_only else _shard_writer(files[-1])
                 written = 0
             writer.add(key, value)
             weight_map[key] = files[-1].name
@@ -106,6 +123,55 @@ def write_int4_moe(out_dir: str | Path, *, hidden: int = 512, experts: int = 16,
     return out
 
 
+def _shard_writer(path: Path):
+    from orbitctl.codec.safetensors_io import ShardWriter
+
+    return ShardWriter(path, reserve=1 << 20)
+
+
+class _Absent:
+    """A tensor's shape and dtype with no data: what a header-only shard lists."""
+
+    def __init__(self, shape, dtype: torch.dtype) -> None:
+        self.shape, self.dtype = torch.Size(shape), dtype
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+class _HeaderOnlyWriter:
+    """A safetensors shard whose header lists every tensor and whose data region is a hole of the full length."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.entries, self.offset, self.small = path, {}, 0, []
+
+    def add(self, name: str, value) -> None:
+        from orbitctl.codec.safetensors_io import DTYPE_NAMES
+
+        if isinstance(value, torch.Tensor):  # a small real tensor (an INT4 weight's shape): written as it is
+            self.small.append((self.offset, value.detach().contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()))
+        end = self.offset + value.numel() * value.element_size()
+        self.entries[name] = {"dtype": DTYPE_NAMES[value.dtype], "shape": list(value.shape),
+                              "data_offsets": [self.offset, end]}
+        self.offset = end
+
+    def close(self) -> None:
+        import struct
+
+        header = json.dumps({"__metadata__": {"format": "pt"}, **self.entries}, separators=(",", ":")).encode()
+        header += b" " * ((-(8 + len(header))) % 8)
+        with self.path.open("wb") as f:
+            f.write(struct.pack("<Q", len(header)) + header)
+            start = f.tell()
+            for offset, data in self.small:
+                f.seek(start + offset)
+                f.write(data)
+            f.truncate(start + self.offset)
+
+
 def checkpoint_bytes(path: str | Path) -> tuple[int, int]:
     """(all safetensors bytes, routed-expert tensor bytes) of a checkpoint directory."""
     from orbitctl.codec.source import open_checkpoint
@@ -119,6 +185,7 @@ def checkpoint_bytes(path: str | Path) -> tuple[int, int]:
 def _load_and_measure(rank: int, path: str, world: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
+    from orbitctl.dist.collectives import barrier
     from orbitctl.model.expert_parallel import ExpertGroup
     from orbitctl.model.frozen_base import load_frozen_base, model_memory_bytes
 
@@ -137,7 +204,7 @@ def _load_and_measure(rank: int, path: str, world: int, store: str, out: str) ->
     held = model_memory_bytes(model)["total"]
     Path(out, f"rank{rank}.json").write_text(json.dumps({"rss_rise": rise, "model_bytes": held}))
     if world > 1:
-        dist.barrier()
+        barrier()
         dist.destroy_process_group()
 
 

@@ -38,6 +38,7 @@ def train(profile, *, fresh: bool = False, steps: int | None = None, on_event: E
     """Run (or resume) the profile's RL training; returns what it did. Raises RunFailed on a failed run."""
     import torch
 
+    from orbitctl.dist.collectives import barrier
     from orbitctl.rl.engine import close_process_group, ensure_process_group
     from orbitctl.rl.trainer import run_loop
 
@@ -51,7 +52,7 @@ def train(profile, *, fresh: bool = False, steps: int | None = None, on_event: E
         with contextlib.ExitStack() as closing:  # what the loop starts for itself (an http engine) ends with it
             result = run_loop(profile, fresh, emit, rank, world, torch, closing)
         if world > 1:  # no rank tears its connections down while another still talks to it
-            torch.distributed.barrier()
+            barrier()
         return result
     finally:
         if torch.get_num_threads() != threads:  # a resume runs on the run's own thread count

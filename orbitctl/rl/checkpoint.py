@@ -174,8 +174,8 @@ def save_checkpoint(run_dir: Path, step: int, engine, policy, generator, trainer
                     rank: int, keep_last: int) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint path."""
     import torch
-    import torch.distributed as dist
 
+    from orbitctl.dist.collectives import barrier
     from orbitctl.model.adapters import adapter_gathered, save_adapter
 
     run = RunDir(run_dir)
@@ -183,7 +183,7 @@ def save_checkpoint(run_dir: Path, step: int, engine, policy, generator, trainer
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    dist.barrier()
+    barrier()
     engine.save_checkpoint(str(tmp), tag="engine", client_state={"step": step}, save_latest=False,
                            exclude_frozen_parameters=True)
     save_rng(rng_file(tmp, rank), generator)
@@ -193,14 +193,14 @@ def save_checkpoint(run_dir: Path, step: int, engine, policy, generator, trainer
     if rank == 0:
         recorded = {**trainer_state, **run_dtypes(engine), "torch_threads": torch.get_num_threads()}
         atomic_write_json(tmp / RunDir.TRAINER_STATE, recorded, fsync=False)
-    dist.barrier()
+    barrier()
     if rank == 0:
         fsync_tree(tmp)
         (tmp / RunDir.COMPLETE).write_text(f"{step}\n")
         promote_dir(tmp, final)
         for _, old in run.complete_checkpoints()[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    barrier()
     return final
 
 

@@ -121,11 +121,6 @@ def _chunk_terms(output_layer, hidden, targets, temperature: float, infer, with_
 
 def _agreed_chunk_count(count: int, device) -> int:
     """The largest chunk count of any rank: ZeRO-3 gathers the output layer's weight on every call, with all ranks."""
-    import torch
-    import torch.distributed as dist
+    from orbitctl.dist.collectives import reduce_scalars
 
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return count
-    box = torch.tensor([count], dtype=torch.int64, device=device)  # where the model is: NCCL takes device tensors
-    dist.all_reduce(box, op=dist.ReduceOp.MAX)
-    return int(box[0])
+    return reduce_scalars([int(count)], "max")[0]

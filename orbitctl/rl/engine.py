@@ -108,12 +108,14 @@ def after_rank0(world: int):
 
     import torch.distributed as dist
 
+    from orbitctl.dist.collectives import barrier
+
     if world == 1:
         return lambda: None
     group = dist.new_group(backend="gloo", timeout=timedelta(hours=BUILD_WAIT_HOURS))
 
     def wait() -> None:
-        dist.barrier(group=group)
+        barrier(group)
         dist.destroy_process_group(group)
 
     return wait

@@ -305,7 +305,7 @@ class AdapterSync:
 
     def publish(self, step: int) -> str:
         """The adapter as of ``step`` loaded into the engine; returns the model name to sample from."""
-        import torch.distributed as dist
+        from orbitctl.dist.collectives import barrier
 
         from orbitctl.model.adapters import adapter_gathered, save_adapter
         from orbitctl.rundir import atomic_dir
@@ -323,16 +323,16 @@ class AdapterSync:
                 self.engine.unload_adapter(old_name)
                 shutil.rmtree(old_path, ignore_errors=True)
         self.current = (name, path)
-        dist.barrier()
+        barrier()
         return name
 
 
 def process_tag(rank: int) -> str:
     """A tag shared by every rank of this run's processes (rank 0 draws it)."""
-    import torch.distributed as dist
+    from orbitctl.dist.collectives import broadcast_objects
 
     box = [secrets.token_hex(3) if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    broadcast_objects(box, src=0)
     return str(box[0])
 
 
@@ -435,14 +435,14 @@ def engine_endpoint(engine_url: str | None, profile_file: Path, run_root: Path, 
     (rank 0, unset URL) an ``orbitctl serve`` started on loopback and entered on ``closing`` (an ExitStack),
     with its own key, ``RUN/engine/`` as its adapter root and ``max_batch`` completions allowed per request.
     Other ranks get the URL and key by broadcast."""
-    import torch.distributed as dist
+    from orbitctl.dist.collectives import broadcast_objects
 
     box = [(engine_url, os.environ.get(API_KEY_ENV) or None)]
     if engine_url is None and rank == 0:
         started = closing.enter_context(ServeProcess(profile_file, run_root / "engine.log", run_root / "engine",
                                                      max_batch=max_batch))
         box = [(started.url, started.api_key)]
-    dist.broadcast_object_list(box, src=0)
+    broadcast_objects(box, src=0)
     return box[0]
 
 

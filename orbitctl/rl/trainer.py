@@ -55,7 +55,7 @@ def _accumulation(profile, world: int) -> int:
 
 
 def _prepare_run_dir(run: RunDir, profile, fresh: bool, rank: int) -> None:
-    import torch.distributed as dist
+    from orbitctl.dist.collectives import barrier
 
     if rank == 0:
         if fresh and run.root.exists():
@@ -63,7 +63,7 @@ def _prepare_run_dir(run: RunDir, profile, fresh: bool, rank: int) -> None:
         run.root.mkdir(parents=True, exist_ok=True)
         atomic_write_text(run.profile, dump_profile(profile), fsync=False)
         run.remove_partial()
-    dist.barrier()
+    barrier()
 
 
 def accumulation_warnings(derived: int, profile) -> list[str]:
@@ -89,7 +89,7 @@ class _Evaluator:
 
         from orbitctl.rl.multiturn import evaluate_episodes
         from orbitctl.rl.rollout import evaluate
-        from orbitctl.rl.update import _all_reduce_sum
+        from orbitctl.dist.collectives import reduce_scalars
 
         if not self.any:
             return None
@@ -99,9 +99,9 @@ class _Evaluator:
         else:
             out = evaluate(self.policy, self.items, self.reward_fn, batch_size=self.batch,
                            max_new_tokens=self.max_new, generator=torch.Generator())
-        total = _all_reduce_sum(out["total"])
-        return {"eval_accuracy": _all_reduce_sum(out["correct"]) / total,
-                "eval_reward": _all_reduce_sum(out["reward_sum"]) / total, "eval_prompts": int(total)}
+        total, correct, reward_sum = reduce_scalars([float(out["total"]), float(out["correct"]),
+                                                     float(out["reward_sum"])])
+        return {"eval_accuracy": correct / total, "eval_reward": reward_sum / total, "eval_prompts": int(total)}
 
 
 def run_loop(profile, fresh, emit, rank, world, torch, closing) -> TrainResult:
@@ -338,20 +338,21 @@ def _ppo_advantages(rewards, group_size: int):
 
 
 def _rollout_stats(batch) -> dict:
-    from orbitctl.rl.update import _all_reduce_sum
+    from orbitctl.dist.collectives import reduce_scalars
 
-    n = _all_reduce_sum(batch.size)
-    r_sum = _all_reduce_sum(float(batch.rewards.sum()))
-    r_sq = _all_reduce_sum(float((batch.rewards ** 2).sum()))
-    mean = r_sum / n
     lengths = batch.completion_mask.sum(-1).float()
+    # one collective for the step's statistics, on the device the default group's backend takes
+    n, r_sum, r_sq, correct, length_sum = reduce_scalars([
+        float(batch.size), float(batch.rewards.sum()), float((batch.rewards ** 2).sum()),
+        float((batch.rewards >= 1.0 - 1e-9).sum()), float(lengths.sum())])
+    mean = r_sum / n
     return {
         "reward_mean": mean,
         "reward_std": max(0.0, r_sq / n - mean * mean) ** 0.5,
-        "accuracy": _all_reduce_sum(float((batch.rewards >= 1.0 - 1e-9).sum())) / n,
-        "response_length": _all_reduce_sum(float(lengths.sum())) / n,
+        "accuracy": correct / n,
+        "response_length": length_sum / n,
         "samples": int(n),
-        "tokens": int(_all_reduce_sum(float(lengths.sum()))),
+        "tokens": int(length_sum),
     }
 
 

@@ -55,16 +55,6 @@ class StepStats:
         return out
 
 
-def _all_reduce_sum(value: float) -> float:
-    import torch
-    import torch.distributed as dist
-
-    tensor = torch.tensor([value], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor)
-    return float(tensor[0])
-
-
 def _rows(batch, rows, advantages, old_logp):
     sel = {
         "prompt_ids": batch.prompt_ids[rows], "prompt_mask": batch.prompt_mask[rows],
@@ -168,9 +158,10 @@ def micro_loss(policy, mb, profile, token_total: float, stats: StepStats):
     stats.add("is_ratio_mean", float((isc.ratio * mask).sum()))
     stats.add("is_clipped_fraction", float((isc.clipped * mask).sum()))
     stats.add("ppo_clipped_fraction", float((clipped * mask).sum()))
-    if n:
-        stats.peak("is_ratio_max", float(isc.ratio[mask.bool()].max()))
-        stats.peak("neg_is_ratio_min", float(-isc.ratio[mask.bool()].min()))
+    if n:  # the masked extremes at a static shape (a boolean-mask index would size its output by the data)
+        counted = mask.bool()
+        stats.peak("is_ratio_max", float(torch.where(counted, isc.ratio, float("-inf")).max()))
+        stats.peak("neg_is_ratio_min", float(-torch.where(counted, isc.ratio, float("inf")).min()))
     for name, value in mismatch_stats(logp.detach(), mb["infer_logp"], mask).items():
         if name.endswith("_max"):
             stats.peak(name, value)
@@ -183,6 +174,8 @@ def run_update(engine, policy, batch, advantages, profile, on_step, max_steps: i
     """The optimizer steps for one rollout batch (at most ``max_steps``);
     ``on_step(stats, seconds, applied, grad_norm)`` after each."""
     import torch
+
+    from orbitctl.dist.collectives import reduce_scalars
 
     rl, micro = profile.rl, profile.memory.micro_batch_size
     old = old_logprobs(policy, batch, micro, profile.rollout.temperature, profile.memory.loss_chunk_size) \
@@ -198,7 +191,7 @@ def run_update(engine, policy, batch, advantages, profile, on_step, max_steps: i
             budget -= 1
             start = time.perf_counter()
             rows_all = order[m * per_minibatch:(m + 1) * per_minibatch]
-            token_total = _all_reduce_sum(float(batch.completion_mask[rows_all].sum())) / _world()
+            token_total = reduce_scalars([float(batch.completion_mask[rows_all].sum())])[0] / _world()
             stats = StepStats()
             for s in range(0, len(rows_all), micro):
                 mb = _rows(batch, rows_all[s:s + micro], advantages, old)

@@ -3,8 +3,8 @@
 Each log's expected root cause was chosen from what its thread settled on; index.json records the
 source. benchmarks/doctor_real_logs.py prints the same comparison as a table. The RL-stack entries
 carry 'categories' (engine, lora, zero3, ray, numerics, checkpoint, sync, launcher, interleaving,
-cut, clean): every category has at least two logs, and a log whose fatal line is missing ('cut')
-never gets a confident cause.
+cut, clean, and the GPU paths: collective, cudagraph, triton, int4): every category has at least two
+logs, and a log whose fatal line is missing ('cut') never gets a confident cause.
 """
 
 import importlib.util
@@ -24,11 +24,14 @@ _spec.loader.exec_module(real)
 INDEX = real.load_index()
 REQUIRED_ACCURACY = 0.9
 RL_CATEGORIES = ("engine", "lora", "zero3", "ray", "numerics", "checkpoint", "sync", "launcher", "interleaving", "cut",
-                 "clean")
+                 "clean", "collective", "cudagraph", "triton", "int4")
 RL_IDS = {"log.oom.kv", "log.kv.len", "log.kv.util", "log.lora.rank", "log.lora.modules", "log.lora.unsupported",
           "log.lora.mismatch", "log.zero3.gather", "log.zero3.ckpt", "log.zero3.hang", "log.ray.threads", "log.ray.died",
           "log.train.scale", "log.train.nan", "log.ckpt.nospace", "log.ckpt.write", "log.ckpt.corrupt", "log.ckpt.perm",
-          "log.sync.weights", "log.launcher", "log.exception", "log.cut"}
+          "log.sync.weights", "log.launcher", "log.exception", "log.cut",
+          # the GPU paths
+          "log.nccl.cpu", "log.cuda.graph", "log.triton.smem", "log.triton.ptxas", "log.triton.compile",
+          "log.int4.pack", "log.int4.marlin"}
 
 
 def test_the_set_is_large_and_varied():

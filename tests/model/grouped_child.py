@@ -1,6 +1,6 @@
 """The grouped INT4 expert kernel's checks, run in a child process under Triton's CPU interpreter.
 
-    TRITON_INTERPRET=1 python tests/model/grouped_child.py CHECK [MODEL_DIR]
+    TRITON_INTERPRET=1 python tests/model/grouped_child.py {kernel | kimi | layer MODEL_DIR}
 
 prints one JSON line of measured figures; tests/model/test_grouped_int4.py asserts on them. The
 interpreter must be on before Triton is first imported, so the checks cannot run in pytest's process.
@@ -34,6 +34,67 @@ def kernel() -> dict:
         ref = grouped_reference(a, words, scales, routed, top_k)
         result[name] = {"max_diff": float((out.float() - ref.float()).abs().max()),
                         "ref_max": float(ref.float().abs().max()), "shape": list(out.shape)}
+    return result
+
+
+def dot_probe(dtype: torch.dtype) -> float:
+    """The largest error of one interpreted ``tl.dot`` of 16x16 operands in ``dtype`` against the float32 product of the
+    same values (quarters in [-2, 2): every product and every sum exact in float32, so an exact ``tl.dot`` gives 0).
+    Triton's interpreter keeps bf16 as the raw uint16 bits and its dot multiplies those as integers."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(a_ptr, b_ptr, c_ptr, N: tl.constexpr):
+        r = tl.arange(0, N)
+        tile = r[:, None] * N + r[None, :]
+        tl.store(c_ptr + tile, tl.dot(tl.load(a_ptr + tile), tl.load(b_ptr + tile)))
+
+    g = torch.Generator().manual_seed(2)
+    a, b = (torch.randint(-8, 8, (16, 16), generator=g).float() / 4 for _ in range(2))
+    c = torch.empty(16, 16)
+    probe[(1,)](a.to(dtype), b.to(dtype), c, N=16)
+    return float((c - a @ b).abs().max())
+
+
+def kimi() -> dict:
+    """grouped_int4_mm at Kimi-K2's gate/up shape (K = 7168 hidden, INT4 groups of 32 and of 128, bf16 activations and
+    scales; N cut from 2048 to 96, one full and one masked tile of 64, to keep the interpreter fast) on a skewed routing
+    of 6 tokens x top-4: expert 5 gets 18 of the 24 slots, experts 2 and 7 the rest, expert 0 (and 1, 3, 4, 6) none.
+
+    Where the interpreter's bf16 ``tl.dot`` is exact the kernel runs in bf16; where it is not (``dot_probe``), the
+    kernel runs on the same bf16 values held in float32 (activations and scales), which the interpreter multiplies
+    right. Either way against grouped_reference in bf16 (weights dequantized to bf16, float32 sums, bf16 result), and
+    the float32 run also against the float32 reference (the same sums, nothing rounded to bf16)."""
+    import triton
+
+    from orbitctl.model.grouped_int4 import align_blocks, grouped_int4_mm, grouped_reference
+
+    bf16_dot_error = dot_probe(torch.bfloat16)
+    result = {"triton": triton.__version__, "bf16_dot_error": bf16_dot_error,
+              "fp16_dot_error": dot_probe(torch.float16)}
+    mode = "bf16" if bf16_dot_error == 0.0 else "fp32"
+    g = torch.Generator().manual_seed(3)
+    experts, n, k, tokens, top_k = 8, 96, 7168, 6, 4
+    routed = torch.tensor([5] * 18 + [2] * 4 + [7] * 2)[torch.randperm(tokens * top_k, generator=g)]
+    a = torch.randn(tokens, k, generator=g).to(torch.bfloat16)
+    for group in (32, 128):
+        words = torch.randint(-2**31, 2**31 - 1, (experts, n, k // 8), generator=g, dtype=torch.int32)
+        scales = (torch.rand(experts, n, k // group, generator=g) * 0.02 + 0.001).to(torch.bfloat16)
+        rows, block_expert = align_blocks(routed, experts)
+        ref = grouped_reference(a, words, scales, routed, top_k).float()
+        if mode == "bf16":
+            out = grouped_int4_mm(a, words, scales, rows, block_expert, routed.shape[0], top_k).float()
+            ref32 = None
+        else:
+            out = grouped_int4_mm(a.float(), words, scales.float(), rows, block_expert, routed.shape[0], top_k)
+            ref32 = grouped_reference(a.float(), words, scales.float(), routed, top_k)
+        result[f"group{group}"] = {
+            "mode": mode, "max_diff": float((out - ref).abs().max()), "ref_max": float(ref.abs().max()),
+            "fp32_max_diff": None if ref32 is None else float((out - ref32).abs().max()),
+            "fp32_ref_max": None if ref32 is None else float(ref32.abs().max()),
+            "shape": list(out.shape), "blocks": int((block_expert >= 0).sum()),
+            "experts_with_slots": sorted(set(block_expert[block_expert >= 0].tolist()))}
     return result
 
 
@@ -107,4 +168,4 @@ def layer(model_dir: str) -> dict:
 
 if __name__ == "__main__":
     check = sys.argv[1]
-    print(json.dumps(kernel() if check == "kernel" else layer(sys.argv[2])))
+    print(json.dumps({"kernel": kernel, "kimi": kimi}[check]() if check != "layer" else layer(sys.argv[2])))

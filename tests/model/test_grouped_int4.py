@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,8 @@ from orbitctl.model.grouped_int4 import align_blocks, triton_present
 ROOT = Path(__file__).resolve().parents[2]
 FP16_ULP = 2.0 ** -10
 """fp16 keeps 11 significant bits: one ulp is 2^-10 of the binade's base."""
+BF16_ULP = 2.0 ** -7
+"""bf16 keeps 8 significant bits: one ulp is 2^-7 of the binade's base."""
 needs_triton = pytest.mark.skipif(not triton_present(), reason="Triton is not installed (pip install -e '.[test]')")
 
 
@@ -52,9 +55,42 @@ def test_blocks_hold_each_slot_once_with_one_expert_per_block(slots, experts):
 def test_the_kernel_is_the_dequantized_product_accumulated_in_float32():
     """Against grouped_reference (each slot's row times its expert's weight dequantized in fp16, float32 sums): the
     kernel's float32 accumulation in another order, then the fp16 rounding of the result, bound the difference."""
-    for name, figures in _child("kernel").items():
+    got = _child("kernel")
+    for name, figures in got.items():
         assert figures["max_diff"] <= 2 * FP16_ULP * figures["ref_max"], (name, figures)
-    assert _child("kernel")["skewed"]["shape"] == [17, 40]
+    assert got["skewed"]["shape"] == [17, 40]
+
+
+@needs_triton
+def test_the_kernel_at_kimi_k2_shapes_in_bf16_matches_the_dequantized_reference():
+    """Kimi-K2's hidden size (K = 7168) in bf16 with INT4 groups of 32 and of 128, a skewed routing (one expert 18 of
+    24 slots, five experts none; N cut to 96: a full and a masked tile) against grouped_reference in bf16.
+
+    Triton's interpreter keeps bf16 as raw uint16 and its tl.dot multiplies those as integers (every version to
+    date: the child's 16x16 probe says whether this one does). Where it does, the kernel runs on the same bf16 values
+    held in float32 and the comparison goes through float32: against the bf16 reference within 2^-7 (bf16's ulp) of
+    its largest output (its result rounded to bf16, half an ulp, and its weights rounded to bf16, half an ulp each with
+    independent signs, which averages far below that over 7168 terms; the kernel's float32 run rounds neither),
+    and against the float32 reference within 2^-14 of its largest output (float32 sums of 7168 terms in another order:
+    about 2^-24 sqrt(K) of the outputs' scale; any slip of the indexing is of the output's own size). Where the
+    interpreter's bf16 dot is exact the kernel runs in bf16, its weights and result rounded by the interpreter's
+    truncating casts: two ulps."""
+    got = _child("kimi")
+    assert got["fp16_dot_error"] == 0.0, got  # the fp16 checks above rest on the interpreter's fp16 dot
+    if got["bf16_dot_error"] != 0.0:
+        warnings.warn(f"Triton {got['triton']}'s interpreter multiplies bf16 as raw 16-bit integers (a 16x16 "
+                      f"tl.dot off by {got['bf16_dot_error']:.3g}): the bf16 case ran on its values in float32, "
+                      "compared through float32")
+    for group in (32, 128):
+        figures = got[f"group{group}"]
+        assert figures["shape"] == [24, 96], figures
+        assert figures["blocks"] == 4, figures  # expert 5's 18 slots: two blocks; expert 2's 4 and 7's 2: one each
+        assert figures["experts_with_slots"] == [2, 5, 7], figures  # the experts without a slot have no block
+        if figures["mode"] == "fp32":
+            assert figures["max_diff"] <= BF16_ULP * figures["ref_max"], (group, figures)
+            assert figures["fp32_max_diff"] <= 2.0 ** -14 * figures["fp32_ref_max"], (group, figures)
+        else:
+            assert figures["max_diff"] <= 2 * BF16_ULP * figures["ref_max"], (group, figures)
 
 
 @needs_triton
