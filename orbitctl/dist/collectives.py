@@ -182,6 +182,17 @@ def barrier(group: Any = None) -> None:
         dist.barrier(group=group)
 
 
+def gather_objects(obj: Any, group: Any = None) -> list:
+    """Every rank's ``obj`` in rank order (pickled; for small host values); ``[obj]`` alone."""
+    import torch.distributed as dist
+
+    if not active(group):
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def broadcast_objects(objects: list, src: int = 0, group: Any = None) -> list:
     """``objects`` as rank ``src`` holds them, on every rank (pickled; for small host values)."""
     import torch.distributed as dist

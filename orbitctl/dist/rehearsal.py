@@ -188,7 +188,7 @@ class _Guard:
 
 def _mode_class():
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, is_fake
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorDeviceMismatchError, is_fake
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class GuardMode(TorchDispatchMode):
@@ -204,6 +204,11 @@ def _mode_class():
                 return func(*args, **(kwargs or {}))
             except FakeTensorDeviceMismatchError as error:
                 raise RehearsalError("host tensor in a device op", f"{func}: {error}", call_site()) from None
+            except DynamicOutputShapeException:
+                raise RehearsalError(
+                    "data-dependent shape", f"{func}'s output is sized by the data, which fake tensors do not have "
+                    "(on a GPU: a sync to read the size); a static shape (torch.where, scatter_add_) rehearses",
+                    call_site()) from None
 
     return GuardMode
 

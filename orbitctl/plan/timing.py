@@ -66,6 +66,17 @@ CPU_BLOCK_S = 4e-6
 """Seconds per attention work item (one sequence x head) of ATen's CPU attention kernel when nothing is measured:
 the same machine's microbenchmark (4.5 us in bf16, 2.0 us in fp32)."""
 
+HOST_SYNC_S = 15e-6
+"""Seconds the device idles per decode step while the host reads whether every row is done (the sampler's one
+device-to-host read a step: a stream synchronisation and an 8-byte copy, 10-20 us; an assumption, not measured on a
+GPU). The next step's launch waits for it: serial, never hidden under the kernels."""
+LOCKSTEP_S = 25e-6
+"""Seconds per decode step of the expert-parallel lockstep's all-reduce of one integer over the EP group (NCCL's
+small-message latency within an NVLink node, 10-30 us in nccl-tests; an assumption). Serial like the read."""
+KEYED_DRAW_S = 2.5e-6
+"""Host seconds per row and decode step to compute its keyed uniform (orbitctl.model.draws: three splitmix64 rounds
+in Python; measured 1.5-3.7 us a row on a 2-core AMD EPYC); the row's inverse CDF itself runs on the device."""
+
 BOUNDS = ("compute", "HBM", "interconnect", "overhead")
 TIME_PHASES = ("rollout", "policy_update", "adapter_sync")
 
@@ -159,6 +170,9 @@ class PhaseTime:
     comm_s: float = 0.0
     overhead_s: float = 0.0
     """ops x seconds per op + attention items x seconds per item + graph kernels x seconds per replayed kernel."""
+    host_s: float = 0.0
+    """Serial host work the device waits for (a GPU's decode: the per-step read of the done flag, the expert-parallel
+    lockstep, the keyed draws' uniforms); added to the phase's seconds, never overlapped."""
     synchronous: bool = False
     floor_s: float = 0.0
     """max(FLOPs / peak FLOP/s, bytes / peak HBM, comm bytes / peak links): no run can be faster."""
@@ -176,8 +190,8 @@ class PhaseTime:
         if self.parts:
             return sum(p.seconds for p in self.parts.values())
         if self.synchronous:  # one op after another: a GEMM's FLOPs, an elementwise op's bytes, each op's overhead
-            return self.compute_s + self.memory_s + self.overhead_s + self.comm_s
-        return max(self.compute_s, self.memory_s, self.overhead_s) + self.comm_s
+            return self.compute_s + self.memory_s + self.overhead_s + self.comm_s + self.host_s
+        return max(self.compute_s, self.memory_s, self.overhead_s) + self.comm_s + self.host_s
 
     @property
     def bound(self) -> str:
@@ -416,6 +430,9 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
         adapter_flops=rounds * steps * 2.0 * lora * batch,
         kernel_work=forward_reads.kernel_work(batch, rounds * steps)),
         peaks, eff)
+    if not peaks.synchronous:  # a CPU's ops already wait for each other; a GPU's decode waits for its host each step
+        lockstep = LOCKSTEP_S if layout.expert_parallel_on and layout.expert_parallel > 1 else 0.0
+        decode.host_s = rounds * steps * (HOST_SYNC_S + lockstep + batch * KEYED_DRAW_S)
     rollout = PhaseTime(flops=prefill.flops + decode.flops, hbm_bytes=prefill.hbm_bytes + decode.hbm_bytes,
                         intra_bytes=intra, inter_bytes=inter, tokens=shape.decode_tokens * world,
                         ops=prefill.ops + decode.ops, items=prefill.items + decode.items,
@@ -426,6 +443,7 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
     rollout.compute_s = prefill.compute_s + decode.compute_s
     rollout.memory_s = prefill.memory_s + decode.memory_s
     rollout.overhead_s = prefill.overhead_s + decode.overhead_s
+    rollout.host_s = prefill.host_s + decode.host_s
     rollout.parts = {"prefill": prefill, "decode": decode}
 
     # ---- policy update: forward, recompute and backward of every micro-batch, plus the no-grad forwards

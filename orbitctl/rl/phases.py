@@ -124,14 +124,10 @@ class PhaseMemory:
     def report(self) -> dict:
         """Collective (every rank calls it): measured per phase and rank beside the prediction, and the
         warnings of phases whose ratio just left the band."""
-        import torch.distributed as dist
+        from orbitctl.dist.collectives import gather_objects
 
         self.rounds += 1
-        mine = {"measured": self.measured, "device_used": self.device_used}
-        ranks = [mine]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            ranks = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, mine)
+        ranks = gather_objects({"measured": self.measured, "device_used": self.device_used})
         phases, warnings = {}, []
         for name in PHASES:
             measured = [r["measured"].get(name) for r in ranks]

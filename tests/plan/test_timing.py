@@ -216,3 +216,31 @@ def test_a_groups_prompt_is_prefilled_once(repo, batch, group, rows):
     assert prefill_rows(profile, batch) == rows
     # 12 rows in groups of 8 hold at most 3 prompts; the time is the prefill of those rows, not of every sequence
     assert rows >= -(-batch // group)
+
+
+def test_a_gpu_decode_counts_its_serial_host_work_per_step(repo, monkeypatch):
+    """Each decoded step of a GPU rollout waits for its host: the read of the done flag, the expert-parallel
+    lockstep's all-reduce, and the keyed draws' uniforms, one a row (the inverse CDF runs on the device). Added to
+    the decode's seconds, never overlapped; a CPU's ops already wait for each other."""
+    from orbitctl.plan import timing
+
+    profile = _profile(repo, "kimi-k2_grpo_int4_8xh200")
+
+    def host_s(sync, lockstep, draw):
+        monkeypatch.setattr(timing, "HOST_SYNC_S", sync)
+        monkeypatch.setattr(timing, "LOCKSTEP_S", lockstep)
+        monkeypatch.setattr(timing, "KEYED_DRAW_S", draw)
+        return plan_profile(profile, with_advice=False).timing.phases["rollout"].parts["decode"].host_s
+
+    steps = host_s(1.0, 0.0, 0.0)  # every decoded step of every round, once
+    assert steps == 4 * 3071  # 4 rounds of 3,071 decode forwards (3,072 tokens, the last never fed back)
+    assert host_s(0.0, 1.0, 0.0) == steps  # EP 8: one lockstep a step
+    rows = host_s(0.0, 0.0, 1.0) / steps
+    assert rows == int(rows) and rows >= 1  # one uniform per row of the rollout batch
+    monkeypatch.undo()
+    decode = plan_profile(profile, with_advice=False).timing.phases["rollout"].parts["decode"]
+    assert decode.host_s == pytest.approx(steps * (timing.HOST_SYNC_S + timing.LOCKSTEP_S + rows * timing.KEYED_DRAW_S))
+    assert decode.seconds == pytest.approx(max(decode.compute_s, decode.memory_s, decode.overhead_s)
+                                           + decode.comm_s + decode.host_s)
+    cpu = plan_profile(_profile(repo, "tiny-cpu"), with_advice=False)
+    assert cpu.timing.phases["rollout"].parts["decode"].host_s == 0.0
