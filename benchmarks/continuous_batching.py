@@ -91,7 +91,7 @@ def compare(policy, prompts: list[str], lengths: list[int], slots: int, reps: in
 
 
 def device_rows(profile_path: Path, smoke: bool) -> list[tuple[str, str, str]]:
-    """benchmarks/device_check.py's rows: the profile's policy (on its device) streams 4 prompts x its group through a
+    """Rows for a GPU run: the profile's policy (on its device) streams 4 prompts x its group through a
     quarter of the rows' slots against fixed batches, uniform lengths up to max_new_tokens; ok where the kept
     log-probs agree within a few roundings of the compute dtype (the same function, positions left-padded)."""
     import torch

@@ -71,6 +71,14 @@ for _path in (ROOT / ".whl" / "site", ROOT):  # the checkout's orbitctl first, t
     if _path.is_dir() and str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+if "--cpu-rehearsal" in sys.argv and "--step" in sys.argv:  # a step's child on a CPU: the rehearsal's fake CUDA
+    try:  # (a device guard and hooks, so fake cuda tensors index and differentiate) must load before torch
+        from orbitctl.dist import fake_cuda
+
+        fake_cuda.load()
+    except (ImportError, OSError, RuntimeError):
+        pass  # the steps that need it report what failed
+
 STEPS = ("grouped", "graphed_layer", "sampling", "collectives", "tinygemm")
 TIMEOUT_S = {"grouped": 150, "graphed_layer": 150, "sampling": 60, "collectives": 90, "tinygemm": 90}
 """Each step's own limit on a GPU (its process's start included); under --cpu-rehearsal 240 each."""

@@ -15,7 +15,7 @@
    without against the plan's kept boundaries (L x 2h x T -> 2 x 2h x T).
 
 Each measurement is the median of ``--reps`` steps (the first, warm-up step not counted), with the
-range. Run by benchmarks/device_check.py; never part of the test suite.
+range. On a GPU, run it there standalone (docs/benchmarks.md, "Device check"); never part of the test suite.
 """
 
 from __future__ import annotations

@@ -229,7 +229,7 @@ def fused_layer_rows(hidden: int, device: str, *, decode_rows: int = 32, sequenc
 
 def decode_rows(model_dir: Path, profile_path: Path, device: str, *, batch: int, new: int,
                 prompt_len: int = 16) -> list[tuple[str, str, str]]:
-    """benchmarks/device_check.py's decode step: ``model_dir`` (an INT4 MoE) on ``device`` decoded greedy with its
+    """A GPU's decode step: ``model_dir`` (an INT4 MoE) on ``device`` decoded greedy with its
     experts grouped (on a GPU; the CPU's fused kernel with --smoke) and dequantized one by one, against the decode
     tokens/s the time model predicts for ``profile_path`` at this batch and length. (check, figure, verdict) rows."""
     import torch

@@ -8,7 +8,7 @@ The checkpoint is DeepSeek-V3-shaped (orbitctl.model.synthetic: INT4 routed expe
 part, random weights) with the demo's character tokenizer; the profile is profiles/tiny-moe-cpu.yaml
 pointed at it. `orbitctl train` runs two steps and every rank records its peak per phase (the rise
 of its resident set on the CPU, torch.cuda.max_memory_allocated on a GPU); printed beside what
-`orbitctl plan` predicts for the same profile. benchmarks/device_check.py runs the same on a GPU.
+`orbitctl plan` predicts for the same profile; on a GPU with DeepSpeed installed it runs the same there.
 """
 
 from __future__ import annotations

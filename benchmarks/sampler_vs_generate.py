@@ -15,8 +15,8 @@ differ but the work is the same. Reported: completion tokens per second, median 
 ``--reps`` alternating runs after one warm-up run of each.
 
 ``--baseline DIR`` measures this checkout (with ``--set``) beside another checkout of orbitctl (its own copy of
-this script, the setting as it is there), side by side in one run: each repetition is one fresh process per
-checkout, the two alternating, each a warm-up and one measured run of both samplers.
+this script, the setting as it is there, or with ``--baseline-set``), side by side in one run: each repetition is
+one fresh process per checkout, the two alternating, each a warm-up and one measured run of both samplers.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     settings.add_policy_arguments(parser)
     parser.add_argument("--baseline", type=Path, help="another checkout of orbitctl to measure beside this one")
+    parser.add_argument("--baseline-set", action="append", default=[], dest="baseline_sets", metavar="KEY=VALUE",
+                        help="a profile override for the baseline's side (repeatable; default: none, its setting as is)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.baseline is not None:
@@ -127,7 +129,8 @@ def side_by_side(args) -> None:
     import subprocess
 
     sides = [("this checkout " + " ".join(args.sets), HERE.parent, [f"--set={s}" for s in args.sets]),
-             (f"{args.baseline}", args.baseline.resolve(), [])]
+             (f"{args.baseline} " + " ".join(args.baseline_sets), args.baseline.resolve(),
+              [f"--set={s}" for s in args.baseline_sets])]
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in sides}
     for rep in range(args.reps):
         for label, tree, extra in sides:

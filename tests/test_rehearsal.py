@@ -82,10 +82,11 @@ def test_rehearsal_runs_the_k2_profile_at_world_8_on_rank_0(tmp_path):
     assert not any("graph_decode" in site for site in report["host_reads"])
 
 
-def test_rehearsal_on_the_last_rank_holds_the_last_experts(tmp_path):
-    report, out = rehearse(tmp_path, "--rank", "7", "--layers", "2")
+def test_rehearsal_on_the_last_rank_holds_the_last_experts_and_replays_the_routing(tmp_path):
+    report, out = rehearse(tmp_path, "--rank", "7", "--layers", "2", "--set", "rl.router_replay=true")
     assert all(s["status"] == "pass" for s in report["steps"]), out
     assert by_step(report)["load"]["experts_held"] == [336, 383]
+    assert by_step(report)["update"]["router_replay"]  # the train path ran the recorded experts
 
 
 def test_rehearsal_names_each_planted_host_tensor(tmp_path):
@@ -138,3 +139,22 @@ def test_rehearsal_names_a_planted_sync_in_the_captured_decode_step(tmp_path, de
     assert reason in decode["error"]
     planted_line = line_of(package, "model/graph_decode.py", defect.strip().splitlines()[0])
     assert decode["where"] == f"orbitctl/model/graph_decode.py:{planted_line}"
+
+
+def test_train_rehearse_runs_it_from_the_cli_and_refuses_what_does_not_go_with_it(tmp_path):
+    from typer.testing import CliRunner
+
+    from orbitctl.cli.app import app
+
+    runner = CliRunner()
+    mixed = runner.invoke(app, ["train", str(PROFILE), "--rehearse", "--steps", "3"])
+    assert mixed.exit_code == 2 and "--steps" in mixed.output
+    dense = runner.invoke(app, ["train", str(ROOT / "profiles" / "tiny-cpu.yaml"), "--rehearse"])
+    assert dense.exit_code == 2 and "model.arch" in dense.output and "llama" in dense.output
+    done = subprocess.run([sys.executable, "-m", "orbitctl.cli.app", "train", str(PROFILE), "--rehearse", "--json",
+                           "--set", "memory.micro_batch_size=2"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert [s["status"] for s in report["steps"]] == ["pass"] * len(STEPS)
+    assert by_step(report)["update"]["micro_batch"] == 2  # the --set reached the rehearsal

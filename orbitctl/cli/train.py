@@ -28,6 +28,9 @@ def train_command(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what train would build for each rank (layout, experts, "
                                  "DeepSpeed config, offload and chunking, the plan, the machine check) and exit; "
                                  "loads no weights and needs no GPU."),
+    rehearse: bool = typer.Option(False, "--rehearse", help="Rehearse the profile's GPU paths on this CPU and exit: "
+                                  "fake cuda tensors at the model's real widths, one rank of the profile's world under "
+                                  "a group that takes CUDA tensors only, as NCCL does (docs/train.md, Rehearsal)."),
     json_out: bool = JsonOption,
 ) -> None:
     """Train adapters with GRPO/PPO on the profile's ranks (started here); rerunning resumes from the newest checkpoint.
@@ -41,10 +44,17 @@ def train_command(
         orbitctl train profiles/tiny-cpu.yaml --fresh --json
 
         orbitctl train profiles/kimi-k2_grpo_int4_8xh200.yaml --dry-run
+
+        orbitctl train profiles/kimi-k2_grpo_int4_8xh200.yaml --rehearse
     """
     from orbitctl.launch import api
 
     profile = api.load_train_profile(profile_path, overrides(set_))
+    if rehearse:
+        _rehearse(profile, profile_path, overrides(set_), json_out,
+                  {"--fresh": fresh, "--steps": steps is not None, "--hostfile": hostfile is not None,
+                   "--master-addr": master_addr is not None, "--dry-run": dry_run})
+        return
     if dry_run:
         report = api.dry_run(profile)
         if json_out:
@@ -71,6 +81,37 @@ def train_command(
     phases = (result.last_metrics or {}).get("phase_memory")
     if phases:
         output.show(_memory_table(phases, (result.last_metrics or {}).get("phase_memory_kind", "")))
+
+
+def _rehearse(profile, profile_path: str, sets: list[str], json_out: bool, others: dict[str, bool]) -> None:
+    """``--rehearse``: the rehearsal in a process of its own (its fake CUDA loads before torch); exit 1 when a
+    step failed."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from orbitctl.dist.rehearse import rehearsal_config
+    from orbitctl.errors import UserError
+
+    given = [name for name, on in others.items() if on]
+    if given:
+        raise UserError(f"--rehearse runs no training: {given[0]} does not go with it", fix=f"drop {given[0]}")
+    rehearsal_config(profile, profile_path)  # exit 2 here for a model the rehearsal does not build
+    with tempfile.TemporaryDirectory(prefix="orbitctl-rehearse-") as tmp:
+        report_file = Path(tmp) / "report.json"
+        cmd = [sys.executable, "-m", "orbitctl.dist.rehearse", "--profile", profile_path, "--json", str(report_file)]
+        for value in sets:
+            cmd += ["--set", value]
+        done = subprocess.run(cmd, capture_output=json_out, text=True, check=False)
+        if not report_file.exists():
+            raise SystemExit(done.returncode or 1)
+        report = json.loads(report_file.read_text())
+    if json_out:
+        output.emit_json(report)
+    if any(step["status"] == "fail" for step in report["steps"]):
+        raise SystemExit(1)
 
 
 def _show_dry_run(report) -> None:

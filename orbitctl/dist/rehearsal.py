@@ -15,7 +15,12 @@ What it catches, each named by the file and line of the call that did it (:class
 - a CPU tensor mixed into a CUDA op (beyond the 0-dimensional scalars CUDA ops take);
 - inside :meth:`Rehearsal.capturable`, an op a CUDA graph cannot capture: a value read by the host
   (``.item()``, ``bool()``, ``.tolist()``), a device-to-host copy, or an op whose output shape depends on the data
-  (``nonzero``, a boolean-mask index, ``masked_select``, ``unique``).
+  (``nonzero``, a boolean-mask index, ``masked_select``, ``unique``);
+- anywhere, an op whose output is sized by the data (fake tensors cannot size it; on a GPU it is a sync).
+
+Outside captured regions a host read of a fake value is answered (False, 1, 1.0) and counted by call site
+(:attr:`_Guard.host_reads`: each a sync on a GPU). On a CPU-only torch the tensors need the fake CUDA device guard
+and hooks of :mod:`orbitctl.dist.fake_cuda`, loaded before torch: run it through ``python -m orbitctl.dist.rehearse``.
 
 What it cannot see: values (a fake tensor has none: sampling decisions, a router's choices, numerics), a real
 graph capture (the CUDA caching allocator and stream rules), NCCL's own behaviour (hangs, transport), and code that

@@ -131,15 +131,36 @@ def _innermost_own_frame(error: BaseException) -> str:
     return f"{_short(pick.filename)}:{pick.lineno}" if pick is not None else "unknown"
 
 
+REHEARSED_TYPES = ("deepseek_v3", "kimi_k2")
+"""The model types the rehearsal builds (its header-only checkpoint is a DeepSeek-V3-type INT4 MoE's)."""
+
+
+def rehearsal_config(profile, path: str = "profile") -> dict:
+    """The profile's architecture (model.arch from the catalog, or model.config) as a config dict; exit 2 for one
+    the rehearsal does not build."""
+    from orbitctl.arch.catalog import builtin_config
+    from orbitctl.errors import UserError
+    from orbitctl.rundir import read_json
+
+    if profile.model.arch is not None:
+        config = builtin_config(profile.model.arch)
+    elif profile.model.config is not None:
+        config = read_json(Path(profile.model.config), what="config.json", key="model.config")
+    else:
+        raise UserError(f"{path}: model.arch: the rehearsal builds the model from a catalog architecture or "
+                        "model.config", fix="set model.arch (orbitctl plan --list-archs) or model.config")
+    if config.get("model_type") not in REHEARSED_TYPES:
+        raise UserError(f"{path}: model.arch: the rehearsal builds DeepSeek-V3-type MoE models (Kimi-K2, "
+                        f"DeepSeek-V3), not {config.get('model_type')}", fix="rehearse a Kimi-K2 or DeepSeek-V3 profile")
+    return config
+
+
 def _header_only_base(profile, work: Path, layers: int) -> Path:
     """The profile's architecture at ``layers`` decoder layers as a header-only INT4 checkpoint with a tokenizer."""
-    from orbitctl.arch.catalog import CONFIG_DIR
     from orbitctl.model.charset import save_char_tokenizer
     from orbitctl.model.synthetic import write_int4_moe
 
-    if profile.model.arch is None:
-        raise ValueError("the rehearsal builds the model from a catalog architecture (model.arch)")
-    config = json.loads((CONFIG_DIR / f"{profile.model.arch}.json").read_text())
+    config = rehearsal_config(profile)
     config["num_hidden_layers"] = layers
     config["first_k_dense_replace"] = min(int(config.get("first_k_dense_replace", 1)), layers - 1)
     path = write_int4_moe(work / "base", config=config, header_only=True, group_size=profile.quant.group_size,
@@ -166,8 +187,6 @@ class _no_disk_reads:
 
 # -- the steps ----------------------------------------------------------------------------------------------------
 def _load(r, profile, done, args) -> dict:
-    import torch
-
     from orbitctl.builder import PreparedBase, load_policy
     from orbitctl.model.expert_parallel import ExpertParallelExperts
 
@@ -195,7 +214,6 @@ def _load(r, profile, done, args) -> dict:
     if not trainable or any(p.device.type != "cuda" for p in trainable):
         raise AssertionError("the adapters are not trainable parameters on the device")
     facts["trainable_params"] = sum(p.numel() for p in trainable)
-    del torch
     return facts
 
 
@@ -270,18 +288,18 @@ def _update(r, profile, done, args) -> dict:
 
     policy = done["policy"]
     rows, completion = profile.memory.micro_batch_size, 32
-    cuda = {"device": "cuda"}
-    mb = {"prompt_ids": torch.zeros((rows, args.prompt), dtype=torch.long, **cuda),
-          "prompt_mask": torch.ones((rows, args.prompt), dtype=torch.long, **cuda),
-          "completion_ids": torch.zeros((rows, completion), dtype=torch.long, **cuda),
-          "completion_mask": torch.ones((rows, completion), dtype=torch.long, **cuda),
-          "infer_logp": torch.zeros((rows, completion), **cuda), "adv": torch.zeros(rows, **cuda),
+    # the rollout batch lives on the host, as the trainer keeps it: micro_loss moves the micro-batch to the device
+    mb = {"prompt_ids": torch.zeros((rows, args.prompt), dtype=torch.long),
+          "prompt_mask": torch.ones((rows, args.prompt), dtype=torch.long),
+          "completion_ids": torch.zeros((rows, completion), dtype=torch.long),
+          "completion_mask": torch.ones((rows, completion), dtype=torch.long),
+          "infer_logp": torch.zeros((rows, completion)), "adv": torch.zeros(rows),
           "dist": None, "old_logp": None, "routes": None}
     mb["attention"] = mb["completion_mask"]
     tape = policy.routing
-    if tape is not None and profile.rl.router_replay:
+    if tape is not None and profile.rl.router_replay:  # the experts the infer path recorded, replayed
         k = int(policy.model.config.num_experts_per_tok)
-        mb["routes"] = torch.zeros((rows, completion, tape.layers, k), dtype=torch.long, **cuda)
+        mb["routes"] = torch.zeros((rows, completion, tape.layers, k), dtype=torch.long)
     stats = StepStats()
     loss = micro_loss(policy, mb, profile, float(rows * completion), stats)
     loss.backward()
