@@ -6,6 +6,9 @@ rank when the log shows it. Run:
 
     .venv/bin/python benchmarks/doctor_real_logs.py          # table and accuracy
     .venv/bin/python benchmarks/doctor_real_logs.py --misses # only the logs it gets wrong
+
+The last lines give the same counts per category of index.json (the RL stack's, the GPU paths' and the
+environment's crashes: sigill, versions, cuda_toolkit, flash_abi, host_oom).
 """
 
 from __future__ import annotations
@@ -84,6 +87,13 @@ def main(argv: list[str]) -> int:
     print(f"\nlogs: {len(outcomes)}  root cause right: {cause}/{len(outcomes)} ({cause / len(outcomes):.1%})  "
           f"cause and rank right: {sum(o.ok for o in outcomes)}/{len(outcomes)} ({accuracy(outcomes):.1%})  "
           f"time: {elapsed:.2f} s")
+    by_category: dict[str, list[Outcome]] = {}
+    for entry, outcome in zip(load_index(), outcomes):
+        for category in entry.get("categories", ()):
+            by_category.setdefault(category, []).append(outcome)
+    if by_category:
+        print("by category: " + ", ".join(f"{c} {sum(o.ok for o in rows)}/{len(rows)}"
+                                          for c, rows in sorted(by_category.items())))
     return 0
 
 

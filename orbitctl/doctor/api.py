@@ -145,6 +145,9 @@ def diagnose(*, snapshot_path: str | None = None, save_snapshot_path: str | None
         if not snap.has_gpus and snap.nvml.status in ("no_library", "no_driver", "ok"):
             report.notes.append(f"{NO_GPU}: GPU checks SKIP ({snap.nvml.detail or 'NVML sees no GPU'})")
         report.findings.extend(run_checks(snap, expect_gpus=expect_gpus, profile=profile, active=active))
+        from orbitctl.doctor.isa import isa_rows
+
+        report.isa = [row.to_dict() for row in isa_rows(snap.host.cpu.isa)]
     if log_text is not None:
         triage = triage_log(log_text, profile=profile)
         report.findings = triage.findings + report.findings

@@ -64,6 +64,9 @@ class Report:
     """One-line headlines for the person at the terminal (e.g. no NVIDIA driver found)."""
     snapshot_source: str | None = None
     log_source: str | None = None
+    isa: list[dict[str, Any]] | None = None
+    """The machine's ISA table (orbitctl.doctor.isa: feature, cpu, os, detail, errno per row); None when no machine
+    was checked, [] when the snapshot has none."""
 
     @property
     def failed(self) -> bool:
@@ -105,5 +108,6 @@ class Report:
             "snapshot": self.snapshot_source,
             "log": self.log_source,
             "root_cause": self.root_cause.to_dict() if self.root_cause else None,
+            "isa": self.isa,
             "findings": [f.to_dict() for f in self.findings],
         }

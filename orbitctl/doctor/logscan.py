@@ -29,6 +29,7 @@ _RANK_RES = (
     re.compile(r"\(Worker(?:_PP\d{1,4})?_TP(\d{1,4})(?!\d)"),  # vLLM V1 workers: "(Worker_TP1 pid=15193)", "Worker_TP0_EP0"
     re.compile(r"\blocal_rank: (\d{1,5}) \(pid"),  # torchrun: "failed (exitcode: -9) local_rank: 3 (pid: 812917)"
     re.compile(r"^\s*\[[^\]]{0,40}?\bTP(\d{1,4})\]"),  # SGLang schedulers: "[2025-07-02 07:41:59 DP7 TP7]"
+    re.compile(r"\bprocess rank (\d{1,5}) with PID"),  # mpirun: "mpirun noticed that process rank 1 with PID 6547 ..."
 )
 _NCCL_PID = re.compile(r"(?:^|\s)[\w.-]+:(\d+):\d+ \[\d+\] NCCL")
 _NCCL_RANK_OF_PID = re.compile(r"(?:^|\s)[\w.-]+:(\d+):\d+ \[\d+\] NCCL INFO .{0,120}?\brank (\d+) nranks")
@@ -49,6 +50,10 @@ _FRAME = re.compile(r"File \"(?P<file>[^\"]{1,300})\", line (?P<line>\d+), in (?
 _EXC_ANYWHERE = re.compile(r"(?:^|[\s\])>|:])(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception)(?::|\s*$)")
 CUT_TAIL_LINES = 12
 """A traceback still open this close to the end of the log means the paste (or the process) was cut."""
+CONTEXT_LINES = {"host.sigill": (8, 30), "pkg.mismatch": (40, 0), "cuda.toolkit": (0, 3), "host.oom": (60, 0)}
+"""Lines (before, after) an event's line that triage reads with it (Event.window, newline-joined): the library a SIGILL
+names on the lines around it, the traceback frames above an ImportError, the torch version a wrapped CUDA mismatch
+message gives on its next line, and what the process was doing (loading a checkpoint) before the OOM killer."""
 
 
 @dataclass
@@ -220,6 +225,9 @@ def scan_lines(lines: list[str]) -> Scan:
                 ev = Event(sig, no, rank, stripped[:300], {k: v for k, v in m.groupdict().items() if v is not None})
                 if sig.id in ("oom", "ray.oom"):  # the numbers follow on this line or the next few
                     ev.window = " ".join(x.strip() for x in lines[no - 1:no + 5])[:8 * MAX_LINE]
+                elif sig.id in CONTEXT_LINES:
+                    before, after = CONTEXT_LINES[sig.id]
+                    ev.window = "\n".join(x[:MAX_LINE] for x in lines[max(0, no - 1 - before):no + after])
                 if sig.id.startswith("nccl.") and sig.id in ("nccl.err", "nccl.sys", "nccl.cuda", "nccl.int", "nccl.remote"):
                     last_error_event = ev
                 scan.events.append(ev)

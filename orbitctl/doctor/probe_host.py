@@ -16,9 +16,11 @@ import socket
 import subprocess
 import sys
 from datetime import datetime, timezone
+from typing import Callable
 
 from orbitctl.doctor.probe_nvml import GpuProbe, NvmlProbe
-from orbitctl.doctor.snapshot import Cpu, Host, KernelLog, MasterPort, ProcessBinding, Shm, Snapshot, TorchInfo
+from orbitctl.doctor.snapshot import (Cpu, Host, KernelLog, MasterPort, ProcessBinding, Shm, Snapshot, TorchInfo,
+                                      XState)
 from orbitctl.doctor.sysfs import read_numa_nodes, read_process_binding, read_text
 from orbitctl.units import KiB
 
@@ -106,7 +108,9 @@ def probe_host() -> Host:
             cpus = None
     host.process = ProcessBinding(pid=os.getpid(), cpus_allowed=cpus, mems_allowed=binding.get("mems"))
     host.shm = probe_shm()
-    host.cpu = probe_cpu()
+    from orbitctl.doctor.isa import probe_xstate
+
+    host.cpu = probe_cpu(xstate=probe_xstate)
     host.cmdline = read_text("/proc/cmdline")
     try:
         host.net_interfaces = sorted(os.listdir("/sys/class/net"))
@@ -121,14 +125,23 @@ def probe_host() -> Host:
     return host
 
 
-def probe_cpu(path: str = "/proc/cpuinfo") -> Cpu:
-    """CPU model and the ISA flags that decide bf16 speed, from /proc/cpuinfo (``path`` in tests)."""
+def probe_cpu(path: str = "/proc/cpuinfo", xstate: Callable[[], XState] | None = None) -> Cpu:
+    """CPU model and the ISA flags that decide bf16 speed, from /proc/cpuinfo (``path`` in tests), and the `isa`
+    table's part: every ISA feature with the kernel's answers about its register state (``xstate``, e.g.
+    orbitctl.doctor.isa.probe_xstate, which asks in a child process; None: not asked)."""
+    from orbitctl.doctor.isa import isa_from_flags
     from orbitctl.model.cpu_dtype import ISA_FLAGS, read_host_cpu
 
     info = read_host_cpu(path)
     if info is None:
-        return Cpu(status="unreadable", model=platform.processor() or None, arch=platform.machine() or None)
-    return Cpu(status="ok", model=info.model, arch=info.arch or None, flags=[f for f in ISA_FLAGS if f in info.flags])
+        cpu = Cpu(status="unreadable", model=platform.processor() or None, arch=platform.machine() or None)
+        cpu.isa.status = "unreadable"
+        return cpu
+    isa = isa_from_flags(info.flags, info.arch, None)
+    if isa.status == "ok" and xstate is not None:
+        isa.xstate = xstate()
+    return Cpu(status="ok", model=info.model, arch=info.arch or None, flags=[f for f in ISA_FLAGS if f in info.flags],
+               isa=isa)
 
 
 def probe_shm(path: str = "/dev/shm") -> Shm:

@@ -42,6 +42,76 @@ KV_LEN_V1 = (r"To serve at least one request with the models?'s max seq len \((?
              r"cache is needed, which is larger than the available KV cache memory \((?P<avail>-?[\d.]+ ?GiB)\)"
              r"(?:\. Based on the available memory, the estimated maximum model length is (?P<est>\d+))?")
 
+# SIGILL in every form a log shows it: the shell's and Python's faulthandler's text, the kernel's trap line (which names
+# the library: "traps: python[12345] trap invalid opcode ip:... in libggml-cpu.so.0[...]"), launchers' exit codes
+# (-4, 128 + 4 = 132) and signal names
+SIGILL_RE = (r"(?i:illegal (?:hardware )?instruction)|trap invalid opcode(?:[^\n]{0,200}? in (?P<lib>[\w.+-]{1,120})\[)?|"
+             r"exitcode\s*:\s*-4\b|exits with return code = -4\b|[Ss]ignal 4 \(SIGILL\)|<Signals\.SIGILL: 4>|\bSIGILL\b|"
+             r"exit(?:ed with)? (?:code|status):? 132\b|non-zero exit status 132\b|\b(?:code|sys)=132\b")
+SIGILL_CAUSE = ("illegal instruction (SIGILL): a native build for another CPU (compiled with -march=native / GGML_NATIVE "
+                "on a machine with AVX-512 or AMX, or a wheel pip's cache reused from another CPU), or AMX tile "
+                "instructions without the kernel's permission")
+SIGILL_FIX = ("Rebuild the library for a portable baseline on this machine: llama-cpp-python: CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" "
+              "pip install --force-reinstall --no-cache-dir llama-cpp-python (pip cache remove llama_cpp_python drops "
+              "the wheel built on another CPU); other native code: build without -march=native. AMX: the process must "
+              "call arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) before its first tile instruction. `orbitctl "
+              "doctor` on the crashing node lists the CPU's ISA features and their OS state (host.isa)")
+SIGILL_FIX_AMX = ("Request the tile state before using it: the process (every process that runs tile instructions) must "
+                  "call arch_prctl(ARCH_REQ_XCOMP_PERM=0x1023, XFEATURE_XTILEDATA=18) first; oneDNN and torch do, a "
+                  "library calling tile intrinsics itself must too. `orbitctl doctor` on that node shows the kernel's "
+                  "answer (host.isa: amx rows 'granted on request', or 'refused' with the errno) and whether the CPU has "
+                  "AMX at all ('absent': rebuild the library without AMX, llama.cpp: CMAKE_ARGS=\"-DGGML_NATIVE=OFF\" "
+                  "pip install --no-cache-dir, no GGML_AMX_*)")
+
+# The ML stack whose packages must match each other; an ImportError from another package stays an ordinary exception.
+STACK_PACKAGES = ("transformers", "trl", "vllm", "peft", "torch", "accelerate", "deepspeed", "bitsandbytes", "flash_attn",
+                  "huggingface_hub", "tokenizers", "safetensors", "datasets", "triton", "xformers", "sglang", "optimum",
+                  "diffusers", "torchvision", "torchaudio", "auto_gptq", "awq", "compressed_tensors")
+_STACK = "|".join(STACK_PACKAGES)
+PKG_MISMATCH_RE = (
+    rf"cannot import name '(?P<name>\w{{1,120}})' from '(?P<pkg>(?:{_STACK})(?:\.[\w.]{{1,120}})?)'|"
+    # transformers' own check of its dependencies: "peft>=0.5.0 is required for a normal functioning of this module,
+    # but found peft==0.4.0."
+    r"(?P<req>[A-Za-z][\w.-]{0,60}?)(?P<spec>[<>=!~]=?[\w.*+-]{1,40}(?:,[<>=!~]=?[\w.*+-]{1,40}){0,4}) is required for "
+    r"a normal functioning of this module, but found (?P<found>[\w.-]{1,60}==[\w.+-]{1,40})|"
+    # pip's resolver: "vllm 0.7.3 requires torch==2.5.1, but you have torch 2.4.0+cu124 which is incompatible."
+    rf"(?P<a>(?:{_STACK})) (?P<aver>\d[\w.+-]{{0,40}}) requires (?P<b>[A-Za-z][\w.-]{{0,60}}?)(?P<bspec>[<>=!~]=?[^,\s]{{1,40}}"
+    rf"(?:,[<>=!~]=?[^,\s]{{1,40}}){{0,4}}), but you have (?P<b2>[\w.-]{{1,60}}) (?P<bver>\S{{1,40}}) which is incompatible|"
+    rf"(?P<a3>[A-Za-z][\w.-]{{0,60}}) (?P<aver3>\d[\w.+-]{{0,40}}) requires (?P<b3>(?:{_STACK}))(?P<bspec3>[<>=!~]=?[^,\s]{{1,40}}"
+    rf"(?:,[<>=!~]=?[^,\s]{{1,40}}){{0,4}}), but you have (?P<b4>[\w.-]{{1,60}}) (?P<bver3>\S{{1,40}}) which is incompatible")
+PINS = {"torch": ">=2.6,<=2.14.1", "transformers": ">=5.20,<6", "peft": ">=0.21,<0.22", "bitsandbytes": ">=0.50,<0.51",
+        "deepspeed": ">=0.19,<0.20", "accelerate": ">=1.10", "safetensors": ">=0.5", "trl": ">=1.16,<2",
+        "triton": ">=3.4"}
+"""orbitctl's ranges in pyproject.toml (trl: the bench extra, triton: the test extra); tests/doctor keeps them equal."""
+PKG_FIX = ("Install versions that go together, in one environment: orbitctl's pins (pyproject.toml) are torch>=2.6,<=2.14.1, "
+           "transformers>=5.20,<6, peft>=0.21,<0.22, trl>=1.16,<2 (the bench extra): pip install -e '.[bench]' from "
+           "orbitctl's checkout, then `pip check`. vLLM is not an orbitctl dependency and each vLLM wheel requires one "
+           "exact torch (torch==): install the vLLM release built for the installed torch, or that torch, in the "
+           "engine's own environment")
+
+CUDA_TOOLKIT_RE = (r"The detected CUDA version \((?P<nvcc>[\d.]{1,12})\) mismatches the version that was used to compile"
+                   r"(?:\s{1,20}PyTorch \((?P<torch>[\d.]{1,12})\))?|Installed CUDA version (?P<nvcc2>[\d.]{1,12}) does not "
+                   r"match the version torch was compiled with (?P<torch2>[\d.]{1,12})|Cuda extensions are being compiled "
+                   r"with a version of Cuda that does not match the version used to compile Pytorch binaries")
+CUDA_TOOLKIT_FIX = ("Build with the toolkit torch was built with: compare `nvcc --version` with `python -c 'import torch; "
+                    "print(torch.version.cuda)'` and point CUDA_HOME (and PATH) at that CUDA (e.g. "
+                    "CUDA_HOME=/usr/local/cuda-12.8), or install the torch wheel for the installed toolkit (pip install "
+                    "torch --index-url https://download.pytorch.org/whl/cu128, within orbitctl's torch>=2.6,<=2.14.1); "
+                    "prebuilt wheels need no nvcc (DeepSpeed: DS_BUILD_OPS=0 builds its ops at first use). A driver "
+                    "older than torch's CUDA is log.cuda.drv")
+FLASH_ABI_FIX = ("Reinstall flash-attn built for the installed torch: pip install flash-attn --no-build-isolation "
+                 "--no-cache-dir (compiles against this torch), or the prebuilt wheel whose name matches torch's version, "
+                 "CUDA and C++ ABI (cxx11abiTRUE/FALSE: python -c 'import torch; print(torch.__version__, "
+                 "torch.version.cuda, torch._C._GLIBCXX_USE_CXX11_ABI)'). orbitctl itself never loads flash-attn: "
+                 "memory.flash_attention: true is PyTorch SDPA and false is eager attention (docs/train.md), so that key "
+                 "does not avoid it; what loaded it is another library (a model's remote code, "
+                 "attn_implementation='flash_attention_2', an engine), and pip uninstall flash-attn works when nothing "
+                 "needs it")
+EXT_ABI_FIX = ("Reinstall the extension for the installed torch (pip install --force-reinstall --no-cache-dir "
+               "--no-build-isolation <package>, or the wheel built for this torch version), or install the torch it was "
+               "built for; orbitctl's range is torch>=2.6,<=2.14.1")
+
+
 @dataclass(frozen=True)
 class Signature:
     id: str
@@ -185,8 +255,9 @@ SIGNATURES: list[Signature] = [
          "ZeRO-3's prefetch trace changed: modules ran in a different order than the step before",
          "Harmless alone (generate/eval steps); with collective timeouts after it, the ranks diverged: see log.zero3.hang",
          severity=WARN, priority=24),
+    # a bare "Killed" is the shell's report of SIGKILL, also glued to the progress bar it cut ("3/8 [00:02<...]Killed")
     _sig("host.oom", r"exits with return code = -9|exitcode\s*:\s*-9\b|Killed process \d+|Out of memory: Kill|"
-         r"Signal 9 \(SIGKILL\) received by PID|terminated with signal SIGKILL|oom-kill:|^\s*Killed\s*$|"
+         r"Signal 9 \(SIGKILL\) received by PID|terminated with signal SIGKILL|oom-kill:|^\s*Killed\s*$|\]Killed\s*$|"
          r"is killed by signal: Killed",
          ("-9", "killed process", "out of memory: kill", "sigkill", "oom-kill", "killed"),
          "host RAM exhausted: the kernel's OOM killer sent SIGKILL (exit code -9)",
@@ -270,6 +341,24 @@ SIGNATURES: list[Signature] = [
          ("-11", "sigsegv", "segmentation fault"), "a native crash (SIGSEGV), usually a compiled extension built for another "
          "torch/CUDA", "Reinstall compiled extensions against this torch (flash-attn, DeepSpeed ops: DS_BUILD_OPS=0, "
          "bitsandbytes); run under `python -X faulthandler` to see the crashing frame", priority=62, supersedes=("launcher",)),
+    # the environment's crashes: a native build for another CPU (or AMX without permission), packages that do not go
+    # together, a CUDA toolkit other than torch's, an extension built against another torch
+    _sig("host.sigill", SIGILL_RE, ("illegal", "invalid opcode", "-4", "sigill", "132"), SIGILL_CAUSE, SIGILL_FIX,
+         priority=88, supersedes=("launcher",)),
+    _sig("pkg.mismatch", PKG_MISMATCH_RE, ("cannot import name", "normal functioning", "but you have"),
+         "two installed packages do not go together (one was built for another version of the other)", PKG_FIX,
+         priority=87),
+    _sig("cuda.toolkit", CUDA_TOOLKIT_RE, ("detected cuda version", "installed cuda version",
+                                           "cuda extensions are being compiled"),
+         "the CUDA toolkit (nvcc) that builds an extension differs from the CUDA torch was built with", CUDA_TOOLKIT_FIX,
+         priority=91),
+    _sig("flash.abi", r"(?<![\w.+-])(?P<lib>flash_attn[\w-]{0,40})[\w.-]{0,80}\.so: undefined symbol: (?P<sym>\w{1,300})",
+         ("undefined symbol",), "flash-attn was built against another torch (or C++ ABI) than the one installed",
+         FLASH_ABI_FIX, priority=88, supersedes=("ext.abi",)),
+    _sig("ext.abi", r"(?<![\w.+-])(?P<lib>[\w.+-]{1,120}\.so(?:\.\d+)*): undefined symbol: "
+         r"(?P<sym>_ZNK?(?:3c10|2at|5torch)\w{0,300})",
+         ("undefined symbol",), "a compiled extension was built against another torch than the one installed (its torch "
+         "symbols are missing)", EXT_ABI_FIX, priority=86),
     _sig("cuda.ordinal", r"invalid device ordinal|cudaErrorInvalidDevice", ("invalid device ordinal", "invaliddevice"),
          "a rank asked for a GPU index that does not exist (more ranks than visible GPUs)",
          "Launch no more ranks per node than GPUs (torchrun --nproc-per-node = GPU count); check CUDA_VISIBLE_DEVICES and "

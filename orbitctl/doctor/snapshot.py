@@ -126,6 +126,31 @@ class TorchInfo(Part):
     """torch.backends.cpu.get_cpu_capability(): the CPU kernels torch picks (AVX512, AVX2, ...; honours ATEN_CPU_CAPABILITY)."""
 
 
+class XState(Part):
+    """What the kernel says about the CPU's register state, asked with arch_prctl in a child process."""
+
+    status: Literal["ok", "unsupported", "error", "missing"] = "missing"
+    """ok: the child asked the kernel; unsupported: not x86-64 Linux; error: the child failed; missing: not probed."""
+    detail: str | None = None
+    xcr0: int | None = None
+    """ARCH_GET_XCOMP_SUPP: the user state components the kernel enabled in XCR0 (None: not answered)."""
+    xcr0_errno: int | None = None
+    """errno of ARCH_GET_XCOMP_SUPP (EINVAL: a kernel before 5.16, which has no such call)."""
+    amx_request_errno: int | None = None
+    """ARCH_REQ_XCOMP_PERM(XFEATURE_XTILEDATA) in the child: 0 granted, else its errno; None: not asked."""
+    amx_permitted: bool | None = None
+    """ARCH_GET_XCOMP_PERM read back after the request has XTILEDATA (bit 18); None: not answered."""
+
+
+class Isa(Part):
+    """The ISA features of the `isa` table (orbitctl.doctor.isa) and the OS state behind them."""
+
+    status: Literal["ok", "unreadable", "not_x86", "missing"] = "missing"
+    flags: list[str] = Field(default_factory=list)
+    """The features of orbitctl.doctor.isa.ISA_FEATURES that /proc/cpuinfo lists."""
+    xstate: XState = Field(default_factory=XState)
+
+
 class Cpu(Part):
     status: Literal["ok", "unreadable", "missing"] = "missing"
     """ok: /proc/cpuinfo was read; unreadable: it could not be; missing: not probed (an older snapshot)."""
@@ -133,6 +158,8 @@ class Cpu(Part):
     arch: str | None = None
     flags: list[str] = Field(default_factory=list)
     """The ISA flags the checks look at that this CPU has: avx2, avx512f, avx512_bf16, amx_tile, amx_bf16."""
+    isa: Isa = Field(default_factory=Isa)
+    """Every ISA feature of the `isa` table with the OS state of its registers (status missing: an older snapshot)."""
 
 
 class Shm(Part):

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from orbitctl.doctor import env_crash
 from orbitctl.doctor.engine import ENGINE_IDS, message_advice, plan_advice
 from orbitctl.doctor.findings import FAIL, INFO, WARN, Finding
 from orbitctl.doctor.groups import Group, ranges
@@ -159,8 +160,11 @@ def _enrich(g: Group, groups: dict[str, Group]) -> None:
         _gpu_path_numbers(g)
     elif g.id in ENGINE_IDS:
         message_advice(g)
+    elif g.id in env_crash.IDS:
+        env_crash.enrich(g)
     elif g.id == "log.host.oom":
         g.data["ray_memory_monitor"] = any(e.sig is not None and e.sig.id == "ray.oom" for e in g.events)
+        env_crash.host_oom(g)
         node = next((m for m in (RAY_NODE_MEMORY.search(e.window or e.text) for e in g.events) if m), None)
         if node is not None:
             g.data["ray_node_memory"] = {"used": node["used"], "total": node["total"], "fraction": float(node["frac"]),

@@ -4,7 +4,8 @@ Each log's expected root cause was chosen from what its thread settled on; index
 source. benchmarks/doctor_real_logs.py prints the same comparison as a table. The RL-stack entries
 carry 'categories' (engine, lora, zero3, ray, numerics, checkpoint, sync, launcher, interleaving,
 cut, clean, and the GPU paths: collective, cudagraph, triton, int4): every category has at least two
-logs, and a log whose fatal line is missing ('cut') never gets a confident cause.
+logs, and a log whose fatal line is missing ('cut') never gets a confident cause. The environment's
+crashes (sigill, versions, cuda_toolkit, flash_abi, ext_abi, host_oom) each have at least two public threads.
 """
 
 import importlib.util
@@ -55,6 +56,23 @@ def test_every_rl_category_has_two_real_logs_with_their_source(category):
     assert len(entries) >= 2
     assert all(e["source"]["url"].startswith(f"https://github.com/{e['source']['repo']}/") for e in entries)
     assert len({e["source"]["url"] for e in entries}) == len(entries)
+
+
+# the environment's crashes: each kind, its finding, and at least two public threads (a recorded line may add to them)
+ENV_CATEGORIES = {"sigill": "log.host.sigill", "versions": "log.pkg.mismatch", "cuda_toolkit": "log.cuda.toolkit",
+                  "flash_abi": "log.flash.abi", "ext_abi": "log.ext.abi", "host_oom": "log.host.oom"}
+
+
+@pytest.mark.parametrize("category", sorted(ENV_CATEGORIES))
+def test_every_environment_crash_has_two_public_threads_and_is_named(category):
+    entries = _by_category(category)
+    public = [e for e in entries if e["source"].get("url")]
+    assert len({e["source"]["url"] for e in public}) >= 2
+    assert all(e["source"]["url"].startswith(f"https://github.com/{e['source']['repo']}/") for e in public)
+    recorded = [e for e in entries if not e["source"].get("url")]
+    assert all(e["source"].get("recorded") for e in recorded)  # a non-public line says where it was recorded
+    assert [(e["file"], real.triage_one(e).got) for e in entries
+            if real.triage_one(e).got != ENV_CATEGORIES[category]] == []
 
 
 def test_rl_set_names_every_new_root_cause():
