@@ -182,19 +182,22 @@ class RouterTape:
     def agreement(self, routes: torch.Tensor, prompt_width: int, mask: torch.Tensor | None = None) -> Agreement:
         """Per layer, how many completion tokens the last ``replay``/``compare`` forward's router chose the same
         top-k set for as ``routes`` records (tokens with a recording and, when given, ``mask`` [B, T] set)."""
+        import torch
+
         batch, width = routes.shape[:2]
-        same, compared = [], []
+        counts = []
         for i, own in enumerate(self.own):
             if own is None:
                 raise RuntimeError("no train-path routing to compare: run a forward after follow()")
-            mine = own.reshape(batch, -1, self.top_k)[:, prompt_width:prompt_width + width].cpu()
-            theirs = routes[:, :, i].long()
+            # counted where the router ran (the recording and the mask may be on the host or on the device)
+            mine = own.reshape(batch, -1, self.top_k)[:, prompt_width:prompt_width + width]
+            theirs = routes[:, :, i].long().to(mine.device)
             valid = (theirs >= 0).all(-1)
             if mask is not None:
-                valid &= mask.bool().cpu()
-            same.append(int((same_set(mine, theirs) & valid).sum()))
-            compared.append(int(valid.sum()))
-        return Agreement(same, compared)
+                valid &= mask.bool().to(mine.device)
+            counts.append(torch.stack([(same_set(mine, theirs) & valid).sum(), valid.sum()]))
+        same, compared = zip(*torch.stack(counts).tolist()) if counts else ((), ())  # one read for every layer
+        return Agreement(list(same), list(compared))
 
     # -- the hook --------------------------------------------------------------------------
     def _hook(self, layer: int):
