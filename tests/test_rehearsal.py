@@ -69,7 +69,8 @@ def test_rehearsal_runs_the_k2_profile_at_world_8_on_rank_0(tmp_path):
     # rank 0 of EP 8 holds experts 0..47 of 384, stacked for the grouped kernel; the rest is replicated
     assert load["experts_held"] == [0, 47] and load["experts_total"] == 384 and load["grouped_stack"]
     assert load["trainable_params"] > 0
-    assert steps["decode"]["static"] and steps["decode"]["lockstep"] and steps["decode"]["recorded_layers"] == 2
+    assert steps["decode"]["static"] and steps["decode"]["captured"] and steps["decode"]["lockstep"]
+    assert steps["decode"]["recorded_layers"] == 2
     assert steps["decode"]["logits"] == [8, 163840]
     assert steps["update"]["offload_bytes"] > 0  # memory.offload_activations: cpu sent the checkpoints to the host
     assert steps["adapter_sync"]["gradients_reduced"] == steps["update"]["adapters_with_gradient"]
@@ -156,3 +157,14 @@ def test_train_rehearse_runs_it_from_the_cli_and_refuses_what_does_not_go_with_i
     report = json.loads(done.stdout)
     assert [s["status"] for s in report["steps"]] == ["pass"] * len(STEPS)
     assert by_step(report)["update"]["micro_batch"] == 2  # the --set reached the rehearsal
+
+
+def test_rehearsal_runs_the_deepseek_profile_whose_expert_adapters_keep_the_per_expert_loop(tmp_path):
+    """adapter.experts: shared-outer keeps the routed experts on the per-expert loop, which reads the routing on the
+    host: the decode stays eager (not captured), and the loop runs every held expert on the rehearsal's even split."""
+    report, out = rehearse(tmp_path, "--profile", str(ROOT / "profiles" / "deepseek-v3_grpo_int4_8xh200.yaml"),
+                           "--layers", "2")
+    assert all(s["status"] == "pass" for s in report["steps"]), out
+    decode = by_step(report)["decode"]
+    assert decode["static"] and not decode["captured"]
+    assert by_step(report)["load"]["experts_total"] == 256 and by_step(report)["load"]["experts_held"] == [0, 31]

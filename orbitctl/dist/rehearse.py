@@ -51,9 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from orbitctl.dist import fake_cuda
+    from orbitctl.errors import OrbitError
 
     state = fake_cuda.load()  # before torch: ATen reads its CUDA hooks once
-    report = run(args, state)
+    try:
+        report = run(args, state)
+    except OrbitError as exc:  # a bad profile or key: one line, its exit code (2), as the CLI prints it
+        print(f"Error: {exc.render()}", file=sys.stderr)
+        return exc.exit_code
     text = json.dumps(report, indent=2)
     if args.json_out:
         Path(args.json_out).write_text(text + "\n")
@@ -236,7 +241,9 @@ def _prefill(r, profile, done, args) -> dict:
 def _decode(r, profile, done, args) -> dict:
     import torch
 
-    from orbitctl.model.graph_decode import StaticDecode
+    import contextlib
+
+    from orbitctl.model.graph_decode import StaticDecode, sync_free
 
     policy, batch, mask = done["policy"], done["batch"], done["mask"]
     new = 4
@@ -247,12 +254,18 @@ def _decode(r, profile, done, args) -> dict:
                            routing=policy.routing)
     token = torch.zeros(batch, dtype=torch.long, device="cuda")
     alive = torch.ones(batch, dtype=torch.bool, device="cuda")
-    with torch.no_grad(), r.capturable("the captured decode step (orbitctl/model/graph_decode.py)"):
+    # a GPU captures the step where the profile decodes from graphs and the layers read nothing on the host (the
+    # per-expert loop does: it stays eager, and so unchecked here)
+    captured = policy.decode_graphs is True and stepper.static and sync_free(policy.model)
+    check = r.capturable("the captured decode step (orbitctl/model/graph_decode.py)") if captured \
+        else contextlib.nullcontext()
+    with torch.no_grad(), check:
         logits = stepper(token, alive)
     finished = torch.zeros(batch, dtype=torch.bool, device="cuda")
     all_done = policy.lockstep.all_done(bool(finished.all()))  # what the sampler asks after every decoded token
     rounds = policy.lockstep.rounds(1)  # what the rollout asks before its batches
-    facts = {"static": stepper.static, "logits": list(logits.shape), "lockstep": policy.lockstep.shared,
+    facts = {"static": stepper.static, "captured": captured, "logits": list(logits.shape),
+             "lockstep": policy.lockstep.shared,
              "all_done": all_done, "rounds": rounds}
     if policy.routing is not None:
         routes = policy.routing.pop_last()

@@ -195,16 +195,28 @@ def experts_by_row(module, experts: torch.Tensor, rows_of, lora: BoundExpertLoRA
     Returns ``(out, order)``: with ``restore_order`` ``out[i]`` is row ``i``'s result, else ``out[j]`` is the
     result of row ``order[j]``."""
     order = torch.argsort(experts, stable=True)
-    ids, counts = torch.unique_consecutive(experts[order], return_counts=True)
     rows = rows_of(order)
     if rows.shape[0] == 0:  # nothing routed here: no expert runs, the result is as empty as the input
         return rows, order
-    runs = torch.split(rows, counts.tolist())
-    out = torch.cat([expert_forward(module.expert(e), module.act_fn, run, lora, e)
-                     for e, run in zip(ids.tolist(), runs)])
+    ids, counts = _runs(experts[order], module.held)
+    runs = torch.split(rows, counts)
+    out = torch.cat([expert_forward(module.expert(e), module.act_fn, run, lora, e) for e, run in zip(ids, runs)])
     if not restore_order:
         return out, order
     return out[torch.argsort(order)], order
+
+
+def _runs(sorted_experts: torch.Tensor, held: range) -> tuple[list[int], list[int]]:
+    """(the experts hit, in order; the rows of each) of a routing sorted by expert: read by the host (the loop runs
+    eagerly). Under fake tensors (the CUDA rehearsal, :mod:`orbitctl.dist.rehearsal`), which hold no routing, every
+    held expert takes an even share of the rows, so each one's forward runs."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(sorted_experts):
+        n, k = sorted_experts.shape[0], len(held)
+        return list(held), [n // k + (1 if i < n % k else 0) for i in range(k)]
+    ids, counts = torch.unique_consecutive(sorted_experts, return_counts=True)
+    return ids.tolist(), counts.tolist()
 
 
 def _expert_rows(expert, act_fn, x: torch.Tensor, lora: BoundExpertLoRA | None, index: int) -> torch.Tensor:

@@ -131,7 +131,8 @@ class ExpertParallelExperts(nn.Module):
             out = self.stack.forward(every, torch.where(mine, local, self.per_rank), k, self.act_fn, lora,
                                      skip=True)
         else:  # the per-expert loop reads the routing on the host: eager only
-            slots = torch.nonzero(mine).squeeze(-1)
+            count = int(mine.sum())  # one read; the slots routed here in ascending order, as nonzero gives them
+            slots = torch.argsort((~mine).to(torch.int8), stable=True)[:count]
             out = every.new_zeros((routes.shape[0], every.shape[-1]))
             out[slots] = experts_by_row(self, routes[slots],
                                         lambda order: every[torch.div(slots[order], k, rounding_mode="floor")], lora)[0]
