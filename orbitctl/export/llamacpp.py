@@ -5,28 +5,44 @@ come back (``Llama.scores``) and are compared position for position with the tra
 (:func:`orbitctl.export.compare.train_path_logits`). llama.cpp computes in float32 but its Q4_0 matmul
 on the CPU quantizes the activations to 8 bits (``Q8_0``), so it is not bit-equal to orbitctl; with
 the adapter left out, the distance to the adapted train path shows what the adapter is worth.
+
+llama.cpp runs in a child process (:func:`orbitctl.export.isolated.run_isolated`): a llama.cpp that dies
+(SIGILL from a build for another CPU, issue 42) raises :class:`~orbitctl.export.isolated.NativeCrash`, one
+line naming the signal and its cause, and the caller (a test, ``benchmarks/llama_cpp_check.py``) lives on.
+The parent never imports ``llama_cpp``; importing this module imports no torch.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import torch
+from orbitctl.export.isolated import run_isolated
 
 
 def llama_cpp_logits(model_path: str | Path, seqs: list[list[int]], *, lora_path: str | Path | None = None,
-                     n_ctx: int = 128) -> list[torch.Tensor]:
-    """Per sequence, [len - 1, V] float32 logits llama.cpp computes predicting tokens 1..len-1."""
+                     n_ctx: int = 128, timeout: float | None = 1800) -> list:
+    """Per sequence, [len - 1, V] float32 logits (torch tensors) llama.cpp computes predicting tokens 1..len-1.
+
+    Computed in a child process; :class:`~orbitctl.export.isolated.NativeCrash` if llama.cpp dies there."""
+    import torch
+
+    scores = run_isolated(llama_cpp_scores, str(model_path), seqs, lora_path=None if lora_path is None else str(lora_path),
+                          n_ctx=n_ctx, what="llama.cpp", timeout=timeout)
+    return [torch.from_numpy(s) for s in scores]
+
+
+def llama_cpp_scores(model_path: str, seqs: list[list[int]], *, lora_path: str | None = None, n_ctx: int = 128) -> list:
+    """What the child computes: per sequence, [len - 1, V] float32 numpy logits (no torch in the child)."""
     import numpy as np
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(model_path), lora_path=None if lora_path is None else str(lora_path), logits_all=True,
-                n_ctx=n_ctx, n_threads=2, vocab_only=False, verbose=False)
+    llm = Llama(model_path=model_path, lora_path=lora_path, logits_all=True, n_ctx=n_ctx, n_threads=2,
+                vocab_only=False, verbose=False)
     out = []
     for seq in seqs:
         llm.reset()
         llm.eval(seq)
-        out.append(torch.from_numpy(np.array(llm.scores[: len(seq) - 1], dtype=np.float32)))
+        out.append(np.array(llm.scores[: len(seq) - 1], dtype=np.float32))
     llm.close() if hasattr(llm, "close") else None
     return out
 

@@ -1,10 +1,22 @@
-"""The demo model with an INT4 g32 base, a trained-looking LoRA adapter, and its exports, built once per session."""
+"""The demo model with an INT4 g32 base, a trained-looking LoRA adapter, and its exports, built once per session;
+and a llama_cpp that dies of SIGILL, for the crash isolation of the llama.cpp comparison."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+CRASHING_LLAMA_CPP = """\
+import os
+import signal
+
+
+class Llama:
+    def __init__(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGILL)  # what a build for another CPU does on its first kernel
+"""
 
 INT4_G32 = {"quant.format": "int4", "quant.group_size": 32}
 
@@ -52,3 +64,13 @@ def merged_export(int4_profile, adapter_dir, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("export-merged") / "merged"
     return export(str(int4_profile), str(out), "hf-merged", adapter=str(adapter_dir))
+
+
+@pytest.fixture
+def crashing_llama_cpp(tmp_path, monkeypatch) -> Path:
+    """A ``llama_cpp`` package whose ``Llama()`` dies of SIGILL, first on PYTHONPATH (children inherit it)."""
+    root = tmp_path / "crashing"
+    (root / "llama_cpp").mkdir(parents=True)
+    (root / "llama_cpp" / "__init__.py").write_text(CRASHING_LLAMA_CPP)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
+    return root
