@@ -14,6 +14,7 @@ from __future__ import annotations
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "units", "procmem"),
     ("rundir",),
+    ("dist",),
     ("arch",),
     ("profile",),
     ("plan",),

@@ -27,7 +27,7 @@ def rehearse(tmp_path: Path, *args: str, package: Path | None = None) -> tuple[d
     out = tmp_path / f"report-{len(list(tmp_path.glob('report-*.json')))}.json"
     env = {**os.environ, "PYTHONPATH": str(package or ROOT)}
     env.pop("TRITON_INTERPRET", None)
-    done = subprocess.run([sys.executable, "-m", "orbitctl.dist.rehearse", "--profile", str(PROFILE), "--json",
+    done = subprocess.run([sys.executable, "-m", "orbitctl.launch.rehearse", "--profile", str(PROFILE), "--json",
                            str(out), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert out.exists(), f"no report (exit {done.returncode}):\n{done.stdout}\n{done.stderr[-3000:]}"
     report = json.loads(out.read_text())

@@ -92,7 +92,7 @@ def _rehearse(profile, profile_path: str, sets: list[str], json_out: bool, other
     import tempfile
     from pathlib import Path
 
-    from orbitctl.dist.rehearse import rehearsal_config
+    from orbitctl.launch.rehearse import rehearsal_config
     from orbitctl.errors import UserError
 
     given = [name for name, on in others.items() if on]
@@ -101,7 +101,7 @@ def _rehearse(profile, profile_path: str, sets: list[str], json_out: bool, other
     rehearsal_config(profile, profile_path)  # exit 2 here for a model the rehearsal does not build
     with tempfile.TemporaryDirectory(prefix="orbitctl-rehearse-") as tmp:
         report_file = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "orbitctl.dist.rehearse", "--profile", profile_path, "--json", str(report_file)]
+        cmd = [sys.executable, "-m", "orbitctl.launch.rehearse", "--profile", profile_path, "--json", str(report_file)]
         for value in sets:
             cmd += ["--set", value]
         done = subprocess.run(cmd, capture_output=json_out, text=True, check=False)

@@ -8,7 +8,7 @@ A CPU-only build of PyTorch has no CUDA device guard and no CUDA hooks, so a fak
 indexed, made contiguous or differentiated ("PyTorch is not linked with support for cuda devices", "Cannot access
 accelerator device when none is available"). The library registers both, answering as one CUDA device of eight
 and touching no device; ATen reads its hooks once, at first use, so the library must be loaded before torch is
-imported: the rehearsal runs in a process of its own (``python -m orbitctl.dist.rehearse``). On a CUDA build the
+imported: the rehearsal runs in a process of its own (``python -m orbitctl.launch.rehearse``). On a CUDA build the
 real guard is kept and the library changes nothing that runs.
 """
 

@@ -20,7 +20,7 @@ What it catches, each named by the file and line of the call that did it (:class
 
 Outside captured regions a host read of a fake value is answered (False, 1, 1.0) and counted by call site
 (:attr:`_Guard.host_reads`: each a sync on a GPU). On a CPU-only torch the tensors need the fake CUDA device guard
-and hooks of :mod:`orbitctl.dist.fake_cuda`, loaded before torch: run it through ``python -m orbitctl.dist.rehearse``.
+and hooks of :mod:`orbitctl.dist.fake_cuda`, loaded before torch: run it through ``python -m orbitctl.launch.rehearse``.
 
 What it cannot see: values (a fake tensor has none: sampling decisions, a router's choices, numerics), a real
 graph capture (the CUDA caching allocator and stream rules), NCCL's own behaviour (hangs, transport), and code that

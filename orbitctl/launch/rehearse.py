@@ -1,7 +1,7 @@
-"""The CUDA rehearsal of one profile's GPU paths, on this CPU: ``python -m orbitctl.dist.rehearse``.
+"""The CUDA rehearsal of one profile's GPU paths, on this CPU: ``python -m orbitctl.launch.rehearse``.
 
-    python -m orbitctl.dist.rehearse --profile profiles/kimi-k2_grpo_int4_8xh200.yaml --json report.json
-    python -m orbitctl.dist.rehearse --rank 7 --layers 3
+    python -m orbitctl.launch.rehearse --profile profiles/kimi-k2_grpo_int4_8xh200.yaml --json report.json
+    python -m orbitctl.launch.rehearse --rank 7 --layers 3
 
 The profile's model is written as a header-only checkpoint at its real widths (hidden, experts, vocabulary) and a
 reduced depth (``--layers``: the dense layers first, then MoE layers), and every step runs on fake ``cuda``
