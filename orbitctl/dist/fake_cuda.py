@@ -8,8 +8,8 @@ A CPU-only build of PyTorch has no CUDA device guard and no CUDA hooks, so a fak
 indexed, made contiguous or differentiated ("PyTorch is not linked with support for cuda devices", "Cannot access
 accelerator device when none is available"). The library registers both, answering as one CUDA device of eight
 and touching no device; ATen reads its hooks once, at first use, so the library must be loaded before torch is
-imported: the rehearsal runs in a process of its own (``python -m orbitctl.launch.rehearse``). On a CUDA build the
-real guard is kept and the library changes nothing that runs.
+imported: the rehearsal runs in a process of its own (``python -m orbitctl.launch.rehearse``). A CUDA build of torch
+has both already, and :func:`load` refuses it.
 """
 
 from __future__ import annotations
@@ -68,5 +68,8 @@ def load() -> int:
     """Load the library into this process, before torch; returns its state (3: guard and hooks in place)."""
     if "torch" in sys.modules:
         raise RuntimeError("the fake CUDA must be loaded before torch is imported (ATen reads its CUDA hooks once)")
+    if any((_torch_dir() / "lib").glob("libtorch_cuda*")):  # its own hooks and guard: ours would clash with them
+        raise RuntimeError("this torch is a CUDA build: the rehearsal runs on a CPU-only torch (a GPU runs the real "
+                           "paths: benchmarks/device_check.py)")
     lib = ctypes.CDLL(str(build()), mode=ctypes.RTLD_GLOBAL)
     return int(lib.orbitctl_fake_cuda_state())
