@@ -157,6 +157,12 @@ def all_to_all(out: "torch.Tensor", x: "torch.Tensor", out_splits: "list[int] | 
     return out
 
 
+def even_split(rows: int, parts: int) -> list[int]:
+    """``rows`` cut into ``parts`` counts that differ by at most one, the larger first: the rehearsal's stand-in for
+    a routing it has no values of (every rank, or every expert, an even share)."""
+    return [rows // parts + (1 if i < rows % parts else 0) for i in range(parts)]
+
+
 def exchange_counts(send: "torch.Tensor", rows: int, group: Any = None) -> tuple[list[int], list[int]]:
     """(rows this rank sends to each rank, rows it receives from each) as host lists: ``send`` [P] counted on the
     device, exchanged by one all-to-all and read by one device-to-host copy of both. ``rows``: how many rows ``send``
@@ -167,8 +173,7 @@ def exchange_counts(send: "torch.Tensor", rows: int, group: Any = None) -> tuple
 
     recv = all_to_all(torch.empty_like(send), send, group=group)
     if is_fake(send):
-        size = dist.get_world_size(group)
-        even = [rows // size + (1 if r < rows % size else 0) for r in range(size)]
+        even = even_split(rows, dist.get_world_size(group))
         return even, list(even)
     both = torch.stack([send, recv]).tolist()
     return both[0], both[1]

@@ -212,9 +212,10 @@ def _runs(sorted_experts: torch.Tensor, held: range) -> tuple[list[int], list[in
     held expert takes an even share of the rows, so each one's forward runs."""
     from torch._subclasses.fake_tensor import is_fake
 
+    from orbitctl.dist.collectives import even_split
+
     if is_fake(sorted_experts):
-        n, k = sorted_experts.shape[0], len(held)
-        return list(held), [n // k + (1 if i < n % k else 0) for i in range(k)]
+        return list(held), even_split(sorted_experts.shape[0], len(held))
     ids, counts = torch.unique_consecutive(sorted_experts, return_counts=True)
     return ids.tolist(), counts.tolist()
 
