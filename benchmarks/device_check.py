@@ -46,6 +46,12 @@ Steps (GPU; ``--cpu-rehearsal`` runs the variant in brackets):
   GEMM. Pass: relative difference <= 2^-7 (each side rounds its float32 sum of exact products once to bf16, at most
   half a bf16 ulp, 2^-8 of the value: two sides 2^-7). [The CPU kernel at a reduced width against float64.]
 
+- ``calibration``: ``orbitctl plan --calibrate``'s measurements (orbitctl.plan.kernel_calibration, through its
+  child orbitctl.rl.kernelrates) of the Kimi-K2 profile's kernels on this device, its ``hardware.gpu`` set to the
+  device's catalog entry: the grouped INT4 experts at the decode's and the update's rows, a dense bf16 GEMM, decode
+  attention over the cache, a device copy. Written as ``DIR/calibration-GPU.json``, the file a profile names as
+  ``hardware.calibration``. Pass: the file is written and every rate is positive. [tiny-cpu's CPU rates.]
+
 The old device check's train, vLLM and memory steps (DeepSpeed, a 9.5 GB synthetic slice) moved out: see
 docs/benchmarks.md ("Device check").
 """
@@ -55,7 +61,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -79,8 +84,9 @@ if "--cpu-rehearsal" in sys.argv and "--step" in sys.argv:  # a step's child on 
     except (ImportError, OSError, RuntimeError):
         pass  # the steps that need it report what failed
 
-STEPS = ("grouped", "graphed_layer", "sampling", "collectives", "tinygemm")
-TIMEOUT_S = {"grouped": 150, "graphed_layer": 150, "sampling": 60, "collectives": 90, "tinygemm": 90}
+STEPS = ("grouped", "graphed_layer", "sampling", "collectives", "tinygemm", "calibration")
+TIMEOUT_S = {"grouped": 150, "graphed_layer": 150, "sampling": 60, "collectives": 90, "tinygemm": 90,
+             "calibration": 150}
 """Each step's own limit on a GPU (its process's start included); under --cpu-rehearsal 240 each."""
 BOUND = 2.0 ** -7
 """bf16 agreement: two results that each round a float32 sum of exact products once to bf16 differ by at most half
@@ -98,8 +104,8 @@ class Skip(Exception):
 class Context:
     """What a step fills in: its criterion, figures (kept when it raises) and a one-line headline."""
 
-    def __init__(self, name: str, rehearsal: bool) -> None:
-        self.name, self.rehearsal = name, rehearsal
+    def __init__(self, name: str, rehearsal: bool, out: Path | None = None) -> None:
+        self.name, self.rehearsal, self.out = name, rehearsal, out
         self.criterion = ""
         self.figures: dict = {}
         self.headline = ""
@@ -152,30 +158,10 @@ def device_text(rehearsal: bool) -> str:
 
 def timed_ms(fn, cuda: bool, reps: int = 20, warmup: int = 3, cap_s: float = 6.0) -> float:
     """Median milliseconds of ``fn()`` over ``reps`` calls after ``warmup`` (CUDA events on a GPU), fewer calls
-    once ``cap_s`` seconds are spent."""
-    import torch
+    once ``cap_s`` seconds are spent (orbitctl.rl.kernelrates.median_s, what plan --calibrate times with)."""
+    from orbitctl.rl.kernelrates import median_s
 
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    times: list[float] = []
-    spent = time.perf_counter()
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - began) * 1e3)
-        if len(times) >= 3 and time.perf_counter() - spent > cap_s:
-            break
-    return statistics.median(times)
+    return median_s(fn, cuda, reps, warmup, cap_s) * 1e3
 
 
 def rel_err(got, ref) -> float:
@@ -779,8 +765,42 @@ def step_tinygemm(ctx: Context) -> tuple[bool, str]:
     return ok, "" if ok else "a relative difference above 2^-7"
 
 
+# ----------------------------------------------------------------------------- (f) calibration
+
+CATALOG_OF = (("H200", "h200"), ("H100", "h100-80g"), ("B200", "b200"), ("A100", "a100-80g"))
+"""The catalog entry (orbitctl/profile/gpus.py) a device name maps to, first match."""
+
+
+def step_calibration(ctx: Context) -> tuple[bool, str]:
+    """What `orbitctl plan --calibrate` writes, through the same code: the Kimi-K2 H200 profile's kernels (its
+    hardware.gpu set to this device's catalog entry) measured here, written as DIR/calibration-GPU.json."""
+    import torch
+
+    from orbitctl.plan.kernel_calibration import calibrate
+    from orbitctl.profile import load_profile
+
+    ctx.criterion = "the calibration file is written and every rate in it is positive"
+    if ctx.rehearsal:
+        profile = load_profile(str(ROOT / "profiles" / "tiny-cpu.yaml"))
+        gpu = "cpu"
+    else:
+        cuda_required()
+        name = torch.cuda.get_device_name(0).upper()
+        gpu = next((entry for key, entry in CATALOG_OF if key in name), None)
+        if gpu is None:
+            raise Skip(f"{name}: no catalog entry to calibrate")
+        profile = load_profile(str(ROOT / "profiles" / "kimi-k2_grpo_int4_8xh200.yaml"), [f"hardware.gpu={gpu}"])
+    path = calibrate(profile, ctx.out / f"calibration-{gpu}.json")
+    doc = json.loads(path.read_text())
+    ctx.figures.update(file=str(path), rates=doc["rates"], skipped=doc.get("skipped", {}), device=doc["device"])
+    numbers = [v for v in doc["rates"].values() if not isinstance(v, list)]
+    ok = bool(numbers) and all(v > 0 for v in numbers)
+    ctx.headline = ", ".join(f"{k} {v:.3g}" for k, v in doc["rates"].items() if not isinstance(v, list))
+    return ok, "" if ok else f"a rate is not positive: {doc['rates']}"
+
+
 STEP_FUNCTIONS = {"grouped": step_grouped, "graphed_layer": step_graphed_layer, "sampling": step_sampling,
-                  "collectives": step_collectives, "tinygemm": step_tinygemm}
+                  "collectives": step_collectives, "tinygemm": step_tinygemm, "calibration": step_calibration}
 
 
 # ----------------------------------------------------------------------------- running
@@ -795,7 +815,7 @@ def _last_line(err: BaseException) -> str:
 def run_step(name: str, out: Path, rehearsal: bool) -> int:
     """The child: run one step and write its record."""
     started = time.perf_counter()
-    ctx = Context(name, rehearsal)
+    ctx = Context(name, rehearsal, out)
     record = {"step": name, "status": "fail", "reason": "", "criterion": "", "figures": ctx.figures, "seconds": 0.0,
               "device": "?"}
     try:

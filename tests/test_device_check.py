@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "device_check.py"
-STEPS = ("grouped", "graphed_layer", "sampling", "collectives", "tinygemm")
+STEPS = ("grouped", "graphed_layer", "sampling", "collectives", "tinygemm", "calibration")
 KEYS = {"step", "status", "reason", "criterion", "figures", "seconds", "device"}
 
 
@@ -90,6 +90,12 @@ def test_every_step_runs_or_skips_on_the_cpu(tmp_path):
     assert records["graphed_layer"]["status"] == "skip" and "GPU" in records["graphed_layer"]["reason"]
     if records["grouped"]["status"] == "pass":  # skipped where Triton is not installed
         assert records["grouped"]["figures"]["decode"]["rel_err_gate_up"] <= 2 ** -7
+    # the calibration step writes the file plan --calibrate writes, through the same code: a profile can name it
+    calibration = json.loads((tmp_path / "calibration-cpu.json").read_text())
+    assert records["calibration"]["status"] == "pass" and calibration["format"] == "orbitctl-calibration"
+    from orbitctl.profile import load_profile
+
+    load_profile(str(ROOT / "profiles" / "tiny-cpu.yaml"), [f"hardware.calibration={tmp_path / 'calibration-cpu.json'}"])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["finished"] and summary["counts"]["fail"] == 0 and list(summary["results"]) == list(STEPS)
     _no_temporaries(tmp_path)

@@ -32,6 +32,13 @@ def plan(
     measure_time: bool = typer.Option(
         False, "--measure-time", help="Time real RL steps on this CPU (one rank, one thread) against the predicted "
                                       "seconds per phase at this machine's measured rates (imports torch)."),
+    calibrate: bool = typer.Option(
+        False, "--calibrate", help="Measure the kernels the time model counts at the profile's shapes on this machine "
+                                   "(its GPU kind, or a CPU profile here), write a calibration file and plan with it "
+                                   "(imports torch; under 2 minutes on one GPU)."),
+    out: Optional[str] = typer.Option(
+        None, "--out", metavar="FILE", help="The calibration file --calibrate writes (default: "
+                                            "calibration-GPU.json here); name it as hardware.calibration."),
     compare: Optional[str] = typer.Option(
         None, "--compare", metavar="AXES", help="Rank the run in other layouts by predicted step time at equal batch: "
                                                "all, or a comma list of layout (ZeRO-3 gathers vs EP), engine "
@@ -55,11 +62,13 @@ def plan(
         orbitctl plan profiles/tiny-moe-cpu.yaml --set hardware.gpus_per_node=1 --set memory.expert_parallel=1 --measure-time
 
         orbitctl plan profiles/kimi-k2_grpo_int4_8xh200.yaml --compare all --set hardware.price_per_gpu_hour=3.5
+
+        orbitctl plan profiles/kimi-k2_grpo_int4_8xh200.yaml --calibrate --out calibration-h200.json
     """
     from orbitctl.plan import api
 
     result = api.run_plan(profile, overrides(set_), sweeps=list(sweep or []), measure=measure, list_archs=list_archs,
-                          measure_time=measure_time, compare=compare)
+                          measure_time=measure_time, compare=compare, calibrate=calibrate, out=out)
     if json_out:
         output.emit_json(result.to_dict())
     elif result.archs is not None:
@@ -113,6 +122,7 @@ def _render(result) -> None:
         _line(_comm_line(plan.communication))
     if plan.timing is not None:
         output.show(_time_table(plan.timing))
+        output.show(_where_table(plan.timing))
         _line(_cost_line(plan.timing))
     if plan.nodes:
         output.show(_nodes_table(plan.nodes))
@@ -197,9 +207,8 @@ def _layouts_table(rows):
 def _time_table(timing):
     from rich import box
 
-    from orbitctl.plan.timing import GRAPH_KERNEL_S, TIME_PHASES
+    from orbitctl.plan.timing import TIME_PHASES
 
-    eff = timing.efficiency
     table = output.table(f"one RL step, predicted seconds per GPU: {seconds_text(timing.seconds)}, "
                          f"{timing.gpu_hours:.3g} GPU-hours on {timing.world} GPU(s)",
                          ("phase", "compute", "HBM", "comm", "overhead", "time", "bound", "tok/s"), no_wrap=True)
@@ -207,15 +216,42 @@ def _time_table(timing):
     for name in TIME_PHASES:
         p = timing.phases[name]
         table.add_row(name, seconds_text(p.compute_s), seconds_text(p.memory_s), seconds_text(p.comm_s),
-                      seconds_text(p.overhead_s), seconds_text(p.seconds), p.bound,
+                      seconds_text(p.overhead_s + p.host_s), seconds_text(p.seconds), p.bound,
                       f"{p.tokens_per_s:,.0f}" if p.tokens else "-")
-    rule = "compute + HBM + overhead + comm (CPU: one op after another)" if timing.phases["rollout"].synchronous else \
-        "max(compute, HBM, overhead) + comm"
-    kernels = timing.phases["rollout"].graph_kernels
-    graphed = f" + {kernels:.3g} kernels replayed from CUDA graphs x {GRAPH_KERNEL_S * 1e6:g} us" if kernels else ""
-    table.caption = (f"time = {rule}; catalog peaks x {eff.compute:g} compute, {eff.hbm:g} HBM, "
-                     f"{eff.link:g} links;\noverhead = eager ops x launch time{graphed} (docs/plan.md, Time per RL "
-                     f"step); each phase's floor (the counts at the bare peaks): --json")
+    if timing.phases["rollout"].synchronous:
+        rule = "time = compute + HBM + overhead + comm, one op after another\n(docs/plan.md)"
+    else:
+        rule = ("time: kernels one after another (each class at the slowest of FLOPs,\n"
+                "bytes, floors) + comm + host; overhead: floors, gaps, host (docs/plan.md)")
+    table.caption, table.caption_justify = rule, "left"
+    return table
+
+
+def _rate_text(name: str, rate: dict) -> str:
+    value, unit = rate["value"], rate["unit"]
+    shown = f"{value * 1e6:.3g} us" if unit == "s" else f"{value:.3g} {unit}"
+    return f"{name} {shown} ({rate['kind']}): {rate['brief'] or rate['source']}"
+
+
+def _where_table(timing):
+    """The terms that make up most of each phase, and where the rates they rest on come from."""
+    from rich import box
+
+    table = output.table("where the predicted time goes, and where its rates come from",
+                         ("phase", "term", "time", "share", "rates"), left=("phase", "term", "rates"))
+    table.box, table.pad_edge, table.padding = box.SIMPLE_HEAD, False, (0, 0, 0, 1)
+    for row in timing.dominant():
+        rates = "\n".join(_rate_text(k, r) for k, r in row["rates"].items()) or "-"
+        table.add_row(row["phase"], row["term"], seconds_text(row["seconds"]), f"{row['share']:.0%}", rates)
+    fast = timing.faster()
+    if fast is not None:
+        from orbitctl.plan.rates import TUNED
+
+        changes = ", ".join(f"{k} {r.value:g} {r.unit}" for k, r in TUNED.items())
+        table.caption_justify = "left"
+        table.caption = (f"faster, on an assumption no published kernel meets ({changes}):\nstep "
+                         f"{seconds_text(fast.seconds)}, rollout {seconds_text(fast.phases['rollout'].seconds)}, "
+                         f"update {seconds_text(fast.phases['policy_update'].seconds)}")
     return table
 
 
@@ -280,12 +316,18 @@ def _measure_table(m):
 
 
 def _measure_time_table(m):
+    calibrated = m.calibrated is not None
     table = output.table("--measure-time: one real RL step on this machine (seconds)",
-                         ("phase", "predicted", "measured", "predicted/measured", "bound"))
+                         ("phase", "predicted", "measured", "predicted/measured", "bound")
+                         + (("calibrated", "calibrated/measured") if calibrated else ()))
     for row in m.rows:
         ratio = row["predicted_over_measured"]
-        table.add_row(row["phase"], f"{row['predicted_s']:.4f}", f"{row['measured_s']:.4f}",
-                      "-" if ratio is None else f"{ratio:.3g}", row["bound"])
+        cells = [row["phase"], f"{row['predicted_s']:.4f}", f"{row['measured_s']:.4f}",
+                 "-" if ratio is None else f"{ratio:.3g}", row["bound"]]
+        if calibrated:
+            cal = row["calibrated_over_measured"]
+            cells += [f"{row['calibrated_s']:.4f}", "-" if cal is None else f"{cal:.3g}"]
+        table.add_row(*cells)
     table.caption = "\n".join(f"note: {n}" for n in m.notes)
     return table
 

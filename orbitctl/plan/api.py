@@ -24,6 +24,8 @@ class PlanRun:
     """orbitctl.plan.compare.compare's rows (``--compare``)."""
     archs: list[dict] | None = None
     usable_bytes: int = 0
+    calibration: str | None = None
+    """The calibration file ``--calibrate`` wrote (the plan uses it)."""
 
     @property
     def ok(self) -> bool:
@@ -54,6 +56,8 @@ class PlanRun:
             doc["time_measurement"] = self.time_measurement.to_dict()
         if self.comparison is not None:
             doc["comparison"] = self.comparison
+        if self.calibration is not None:
+            doc["calibration_written"] = self.calibration
         return doc
 
 
@@ -70,7 +74,8 @@ def parse_sweep(item: str) -> tuple[str, list[Any]]:
 
 def run_plan(path: str | None, overrides: list[str] | tuple[str, ...] = (), *, sweeps: list[str] | None = None,
              measure: bool = False, list_archs: bool = False, gpu_memory_bytes: int | None = None,
-             measure_time: bool = False, compare: str | None = None) -> PlanRun:
+             measure_time: bool = False, compare: str | None = None, calibrate: bool = False,
+             out: str | None = None) -> PlanRun:
     """Load the profile at ``path`` (with --set overrides) and plan, sweep or measure it."""
     from orbitctl.plan import apply_changes, plan_profile, plan_sweep
 
@@ -78,7 +83,7 @@ def run_plan(path: str | None, overrides: list[str] | tuple[str, ...] = (), *, s
         from orbitctl.arch import builtin_arch, builtin_names
 
         extra = [name for name, given in (("PROFILE", path), ("--set", list(overrides)), ("--sweep", sweeps),
-                                          ("--measure", measure),
+                                          ("--measure", measure), ("--calibrate", calibrate),
                                           ("--measure-time", measure_time), ("--compare", compare)) if given]
         if extra:
             raise UserError(f"--list-archs lists the built-in architectures and takes no {', '.join(extra)}",
@@ -87,6 +92,10 @@ def run_plan(path: str | None, overrides: list[str] | tuple[str, ...] = (), *, s
         return PlanRun(archs=[builtin_arch(n).summary() for n in builtin_names()])
     if not path:
         raise UserError("missing PROFILE", fix="give a profile YAML file, e.g. orbitctl plan profiles/tiny-cpu.yaml")
+    if out is not None and not calibrate:
+        raise UserError("--out names the file --calibrate writes", fix="add --calibrate, or drop --out")
+    if sweeps and calibrate:
+        raise UserError("--calibrate measures one profile's kernels, not a sweep", fix="drop --sweep")
     if sweeps and (measure or measure_time):
         raise UserError("--measure and --measure-time calibrate one plan, not a sweep",
                         fix="drop them, or plan one setting with --set KEY=VALUE --measure")
@@ -103,6 +112,14 @@ def run_plan(path: str | None, overrides: list[str] | tuple[str, ...] = (), *, s
 
     profile = load_profile(path, list(overrides))
     run = PlanRun(profile_name=profile.name)
+    if calibrate:
+        from orbitctl.plan import resolve_rollout_batch
+        from orbitctl.plan.kernel_calibration import calibrate as measure_kernels
+
+        target = out or f"calibration-{profile.hardware.gpu}.json"
+        run.calibration = str(measure_kernels(resolve_rollout_batch(profile, gpu_memory_bytes=gpu_memory_bytes),
+                                              target))
+        profile = load_profile(path, [*overrides, f"hardware.calibration={target}"])
     if sweeps:
         parsed = [parse_sweep(s) for s in sweeps]
         for key, values in parsed:

@@ -15,7 +15,7 @@ import json
 import tempfile
 from dataclasses import dataclass, field
 
-from orbitctl.plan.timing import Efficiency, Peaks, StepTime
+from orbitctl.plan.timing import Efficiency, Peaks, StepTime, peaks_of_rates  # noqa: F401 (benchmarks import it here)
 
 STEPS = 4
 """Steps timed: the first pays the warm-up (allocator, lazy kernels, new GEMM shapes); the prediction is of a
@@ -36,31 +36,26 @@ class TimeMeasurement:
     notes: list[str] = field(default_factory=list)
     rates: dict = field(default_factory=dict)
     """Everything the child measured (op_s, attention_block_s, adapter_flops_per_s, threads, first-step times)."""
+    calibrated: StepTime | None = None
+    """The plan's prediction at hardware.calibration's rates, when the profile names a calibration file."""
 
     @property
     def rows(self) -> list[dict]:
         out = []
         for phase, measured in self.measured_s.items():
             predicted = self.predicted.phases[phase].seconds
-            out.append({"phase": phase, "predicted_s": predicted, "measured_s": measured,
-                        "bound": self.predicted.phases[phase].bound,
-                        "predicted_over_measured": predicted / measured if measured else None})
+            row = {"phase": phase, "predicted_s": predicted, "measured_s": measured,
+                   "bound": self.predicted.phases[phase].bound,
+                   "predicted_over_measured": predicted / measured if measured else None}
+            if self.calibrated is not None:
+                calibrated = self.calibrated.phases[phase].seconds
+                row.update(calibrated_s=calibrated, calibrated_over_measured=calibrated / measured if measured else None)
+            out.append(row)
         return out
 
     def to_dict(self) -> dict:
         return {"flops_per_s": self.flops_per_s, "bytes_per_s": self.bytes_per_s, "rates": dict(self.rates),
                 "rows": self.rows, "predicted": self.predicted.to_dict(), "notes": list(self.notes)}
-
-
-def peaks_of_rates(rates: dict) -> Peaks:
-    """The Peaks of rates measured on this machine (``flops_per_s``, ``bytes_per_s``, ``op_s``,
-    ``attention_block_s``, optionally ``adapter_flops_per_s`` and ``kernel_flops_per_s``, the fused INT4 kernel's
-    ``[rows, FLOP/s]`` pairs): a CPU rank, one op after another."""
-    bandwidth = rates["bytes_per_s"]
-    return Peaks(flops=rates["flops_per_s"], hbm=bandwidth, link=bandwidth, nic=bandwidth, op_s=rates["op_s"],
-                 synchronous=True, block_s=rates["attention_block_s"],
-                 adapter_flops=rates.get("adapter_flops_per_s", 0.0),
-                 kernel_flops=tuple((int(rows), float(rate)) for rows, rate in rates.get("kernel_flops_per_s", ())))
 
 
 def predict_at(profile, peaks: Peaks) -> StepTime:
@@ -131,4 +126,10 @@ def measure_time(profile) -> TimeMeasurement:
              f"measured: the fastest of steps 2-{got['steps']} (the first, with its warm-up: rollout "
              f"{got['first_rollout_s']:.3f} s, update {got['first_policy_update_s']:.3f} s); "
              "efficiency 1, nothing fitted"]
-    return TimeMeasurement(flops, bandwidth, predicted, measured, notes, rates=rates)
+    calibrated = None
+    if profile.hardware.calibration:
+        from orbitctl.plan.timing import profile_rates
+
+        calibrated = predict_at(profile, profile_rates(profile)[1])
+        notes.append(f"calibrated: the plan at {profile.hardware.calibration}'s rates, measured before this run")
+    return TimeMeasurement(flops, bandwidth, predicted, measured, notes, rates=rates, calibrated=calibrated)

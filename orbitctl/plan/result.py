@@ -94,12 +94,20 @@ class MemoryPlan:
     details: dict[str, Any] = field(default_factory=dict)
     communication: Any = None
     """orbitctl.plan.comm.Communication: the bytes one RL step sends per GPU in this layout."""
-    timing: Any = None
-    """orbitctl.plan.timing.StepTime: predicted seconds of one RL step by phase in this layout."""
+    timing_of: Any = field(default=None, repr=False)
+    """A function of no argument giving the StepTime: the time model runs when ``timing`` is first read (the memory
+    searches of advice and layouts plan many micro-batches whose time nobody reads)."""
     layouts: list[dict] = field(default_factory=list)
     """The base layouts compared (orbitctl.plan.layouts.compare_layouts), empty for a dense model or one GPU."""
     nodes: list[dict] = field(default_factory=list)
     """The run on its node(s) and on twice the nodes (orbitctl.plan.advice.compare_nodes): predicted time."""
+
+    @property
+    def timing(self):
+        """orbitctl.plan.timing.StepTime: predicted seconds of one RL step by phase in this layout (None: not timed)."""
+        if callable(self.timing_of):
+            self.timing_of = self.timing_of()
+        return self.timing_of
 
     @property
     def phase_peak_bytes(self) -> dict[str, int]:

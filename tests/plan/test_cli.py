@@ -87,9 +87,9 @@ def test_cli_is_thin(monkeypatch):
     assert result.exit_code == 0, result.output
     assert calls == [("x.yaml", ["memory.seq_len=8"],
                       {"sweeps": ["memory.micro_batch_size=1,2"], "measure": False, "list_archs": False,
-                       "measure_time": False, "compare": None}),
+                       "measure_time": False, "compare": None, "calibrate": False, "out": None}),
                      ("x.yaml", [], {"sweeps": [], "measure": True, "list_archs": False, "measure_time": False,
-                       "compare": None})]
+                       "compare": None, "calibrate": False, "out": None})]
 
 
 def test_a_sweep_with_measure_is_refused(capsys):

@@ -44,20 +44,22 @@ def test_cpu_prediction_terms_are_non_negative_and_add_up(repo, name, change):
 
 
 def test_gpu_launch_overhead_overlaps_the_kernels(repo):
+    """A GPU's host launches eager kernels ahead of the device: the launches count only where they outlast the
+    kernels' own time (the serial sum of the classes, floors and gaps); communication and host work add."""
     timing = plan_profile(_profile(repo, "llama-3.1-8b_grpo_qlora-nf4_1x24g"), with_advice=False).timing
     for phase in (timing.phases["policy_update"], *timing.phases["rollout"].parts.values()):
         assert not phase.synchronous
-        # attention: one launch, no items; the graphed decode steps' kernels at a replay's cost each
-        assert phase.overhead_s == pytest.approx(phase.ops * KERNEL_LAUNCH_S + phase.graph_kernels * GRAPH_KERNEL_S)
-        # the launches overlap the kernels; the decode's per-step host work (timing.HOST_SYNC_S ...) adds after
-        assert phase.seconds == pytest.approx(max(phase.compute_s, phase.memory_s, phase.overhead_s) + phase.comm_s
-                                              + phase.host_s)
+        device = sum(s for term, s in phase.terms.items() if term not in ("launches", "comm", "host"))
+        assert phase.terms["launches"] == pytest.approx(max(0.0, phase.ops * KERNEL_LAUNCH_S - device))
+        assert phase.seconds == pytest.approx(max(device, phase.ops * KERNEL_LAUNCH_S) + phase.comm_s + phase.host_s)
+        assert phase.overhead_s == pytest.approx(phase.terms["kernel floors"] + phase.terms["gaps"]
+                                                 + phase.terms["launches"])
 
 
 def test_graphed_decode_replays_the_eager_steps_kernels_over_the_whole_static_cache(repo):
     """rollout.decode_graphs: a batch's first two decode steps eager, every later step OPS_GRAPH_STEP eager ops and
-    the step's kernels replayed; attention over the static cache's whole length. The Kimi-K2 profile's step within
-    15 minutes and its rollout within 6, each phase at or above its floor."""
+    the step's kernels replayed; attention over the static cache's whole length. The Kimi-K2 profile's graphed rollout
+    faster than its eager one, each phase at or above its floor."""
     from orbitctl.plan import resolve_rollout_batch
     from orbitctl.plan.comm import decode_forwards, decoded_tokens, step_shape
     from orbitctl.plan.ops import GRAPH_EAGER_STEPS, GRAPH_KERNELS_PER_OP, OPS_GRAPH_STEP, OPS_SAMPLE
@@ -73,8 +75,7 @@ def test_graphed_decode_replays_the_eager_steps_kernels_over_the_whole_static_ca
     assert g.graph_kernels == pytest.approx(replayed * step_ops * GRAPH_KERNELS_PER_OP)
     assert g.ops == pytest.approx(e.ops - replayed * (step_ops - OPS_GRAPH_STEP))
     assert g.hbm_bytes > e.hbm_bytes and g.flops > e.flops  # the whole static length attended every step
-    assert graphed.phases["rollout"].seconds <= 6 * 60 < eager.phases["rollout"].seconds
-    assert graphed.seconds <= 15 * 60
+    assert graphed.phases["rollout"].seconds < eager.phases["rollout"].seconds
     for phase in graphed.phases.values():
         assert phase.seconds >= phase.floor_s
     # fp8 KV, a CPU, or an http engine decode eagerly: the same plan as decode_graphs false

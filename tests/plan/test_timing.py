@@ -41,7 +41,10 @@ def test_every_phase_is_at_least_its_physical_floor(repo, name):
             floor = max(part.flops / flops, part.hbm_bytes / hbm, part.intra_bytes / link + part.inter_bytes / nic)
             assert part.floor_s == pytest.approx(floor)
             assert part.seconds >= floor * (1 - 1e-12)
-            assert part.compute_s >= part.flops / flops and part.memory_s >= part.hbm_bytes / hbm
+            # the terms sum to the phase; a GPU's kernel classes each at least their FLOPs and bytes at the peaks
+            assert sum(part.all_terms().values()) == pytest.approx(part.seconds)
+            for w in part.work.values():
+                assert part.seconds >= w.flops / flops and part.seconds >= w.bytes / hbm
 
 
 def _decode(repo, name, **change):
@@ -127,12 +130,20 @@ def test_efficiency_factors_are_overridable(repo):
     layout = layout_of(profile, inp.arch.num_experts)
     comm = communication(profile, inp.arch, inp.storage, layout, inp.adapters)
     base = step_time(profile, inp.arch, inp.storage, layout, comm)
-    half = step_time(profile, inp.arch, inp.storage, layout, comm, eff=Efficiency(compute=0.25, hbm=0.4, link=0.35))
-    for name in ("rollout", "policy_update"):  # the per-op overhead is a count x a launch time, no efficiency factor
-        for term in ("compute_s", "memory_s", "comm_s"):
-            assert getattr(half.phases[name], term) == pytest.approx(2 * getattr(base.phases[name], term))
-        assert half.phases[name].overhead_s == pytest.approx(base.phases[name].overhead_s)
-        assert base.phases[name].overhead_s > 0
+    halved = {k: getattr(base.efficiency, k) / 2 for k in ("compute", "hbm", "link", "experts_hbm", "experts_compute",
+                                                            "attention_hbm")}
+    half = step_time(profile, inp.arch, inp.storage, layout, comm, eff=Efficiency(**halved))
+    # each kernel class's FLOP- or byte-bound time doubles, and the communication; kernel floors and gaps are counts
+    # x seconds, no efficiency factor
+    for name, part in (("decode", "rollout"), ("policy_update", None)):
+        fast = base.phases[part].parts[name] if part else base.phases[name]
+        slow = half.phases[part].parts[name] if part else half.phases[name]
+        for term in ("experts HBM", "experts compute", "dense compute", "attention compute", "comm"):
+            if fast.terms.get(term):
+                assert slow.terms[term] == pytest.approx(2 * fast.terms[term]), (name, term)
+        assert slow.terms["gaps"] == pytest.approx(fast.terms["gaps"]) and fast.terms["gaps"] > 0
+    assert base.phases["rollout"].parts["decode"].terms["experts HBM"] > 0
+    assert base.phases["policy_update"].terms["experts compute"] > 0
 
 
 def test_kimi_rollout_under_zero3_gathers_is_slower_than_under_expert_parallelism(repo):
@@ -240,7 +251,7 @@ def test_a_gpu_decode_counts_its_serial_host_work_per_step(repo, monkeypatch):
     monkeypatch.undo()
     decode = plan_profile(profile, with_advice=False).timing.phases["rollout"].parts["decode"]
     assert decode.host_s == pytest.approx(steps * (timing.HOST_SYNC_S + timing.LOCKSTEP_S + rows * timing.KEYED_DRAW_S))
-    assert decode.seconds == pytest.approx(max(decode.compute_s, decode.memory_s, decode.overhead_s)
-                                           + decode.comm_s + decode.host_s)
+    assert decode.terms["host"] == decode.host_s
+    assert decode.seconds == pytest.approx(sum(decode.terms.values()))
     cpu = plan_profile(_profile(repo, "tiny-cpu"), with_advice=False)
     assert cpu.timing.phases["rollout"].parts["decode"].host_s == 0.0
