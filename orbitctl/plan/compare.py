@@ -5,9 +5,9 @@ Three axes, each a set of ``--set`` changes re-planned like advice (memory and t
 - ``layout`` (MoE, more than one GPU): every layer ZeRO-3-gathered (expert parallelism 1, the base
   sharded) against expert parallelism at the widest P with the dense part replicated;
 - ``engine``: rollout on the trainer's own weights (``rollout.engine: shared``) against a separate
-  engine (``separate``): it decodes from its own copy in the same layout without the trainer's
-  ZeRO-3 gathers or all-to-alls (its own tensor-parallel traffic is not modelled) and receives the
-  whole adapter once per step;
+  engine (``separate``): it decodes from its own copy split over ``rollout.engine_tp`` GPUs without
+  the trainer's ZeRO-3 gathers or all-to-alls, with its own all-reduces, and receives the whole adapter
+  once per step;
 - ``nodes`` (more than one GPU): the run on one node against two over the NIC (a run that already
   spans nodes: against one node of the same GPUs per node).
 
@@ -23,9 +23,9 @@ from orbitctl.plan.layout import widest_expert_parallel
 from orbitctl.plan.result import set_values
 
 AXES = ("layout", "engine", "nodes")
-ENGINE_ASSUMPTION = ("separate engine: decodes from its own copy of the base in the same layout, without the "
-                     "trainer's ZeRO-3 gathers and all-to-alls (its tensor-parallel traffic is not modelled), and "
-                     "receives the whole adapter once per step")
+ENGINE_ASSUMPTION = ("separate engine: decodes from its own copy of the base split over rollout.engine_tp GPUs, "
+                     "without the trainer's ZeRO-3 gathers and all-to-alls, with its tensor-parallel all-reduces, "
+                     "and receives the whole adapter once per step")
 
 
 def parse_axes(text: str) -> list[str]:

@@ -253,3 +253,12 @@ def test_calibrate_on_this_cpu_writes_a_file_the_plan_then_uses(repo, tmp_path):
     # the uncalibrated plan of the same profile rests on the catalog's stand-in, and says so
     plain, _ = profile_rates(resolve_rollout_batch(_profile(repo, "tiny-cpu")))
     assert plain["cpu_flops"].kind == ASSUMED
+
+
+def test_every_rate_is_documented_with_its_source(repo):
+    doc = (repo / "docs" / "plan.md").read_text()
+    for name, rate in SOURCES.items():
+        assert f"`{name}`" in doc, name
+        assert rate.kind in (PUBLISHED, ASSUMED, MEASURED) and rate.brief and rate.unit, name
+    for anchor in ("31.7 ms", "6,600", "issue 32832", "orbitctl-calibration", "hardware.calibration"):
+        assert anchor in doc, anchor
