@@ -800,6 +800,14 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
               "attention": Work(attn_all, 0.0, attention_kernels * kernel_passes)}),
         peaks, eff)
 
+    if not peaks.synchronous:
+        # the host waits on its device per micro-batch (orbitctl.rl.update: the loss's finiteness read; the chunked
+        # loss's agreed chunk count, an all-reduce of one integer across ranks) and per optimizer step (the token
+        # total's all-reduce, the gradient norm's read)
+        small = LOCKSTEP_S if world > 1 else 0.0
+        update.host_s = (shape.micro_batches + shape.optimizer_steps) * (HOST_SYNC_S + small)
+        update.terms["host"] = update.host_s
+
     # ---- adapter sync: a separate engine receives the whole adapter once per step; the shared one nothing
     sync_bytes = adapter_bytes if separate else 0.0
     intra, inter = _split(profile, layout, sync_bytes, 0.0)

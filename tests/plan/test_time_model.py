@@ -262,3 +262,19 @@ def test_every_rate_is_documented_with_its_source(repo):
         assert rate.kind in (PUBLISHED, ASSUMED, MEASURED) and rate.brief and rate.unit, name
     for anchor in ("31.7 ms", "6,600", "issue 32832", "orbitctl-calibration", "hardware.calibration"):
         assert anchor in doc, anchor
+
+
+def test_the_update_counts_its_host_work_per_micro_batch_and_optimizer_step(repo):
+    """orbitctl.rl.update waits on its device once per micro-batch (the loss's finiteness; the chunked loss's agreed
+    chunk count, a small all-reduce over the ranks) and once per optimizer step (the token total, the gradient
+    norm): each a device-to-host read and, across ranks, a small all-reduce. A CPU's ops already wait."""
+    from orbitctl.plan.comm import step_shape
+    from orbitctl.plan.timing import HOST_SYNC_S, LOCKSTEP_S
+
+    profile = resolve_rollout_batch(_profile(repo, "kimi-k2_grpo_int4_8xh200"))
+    update = plan_profile(profile, with_advice=False).timing.phases["policy_update"]
+    shape = step_shape(profile)
+    assert update.host_s == pytest.approx((shape.micro_batches + shape.optimizer_steps) * (HOST_SYNC_S + LOCKSTEP_S))
+    assert update.terms["host"] == update.host_s > 0
+    cpu = plan_profile(_profile(repo, "tiny-cpu"), with_advice=False).timing.phases["policy_update"]
+    assert cpu.host_s == 0.0
