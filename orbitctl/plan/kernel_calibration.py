@@ -44,18 +44,21 @@ def kernel_shapes(profile) -> dict:
               "gemm": [tokens, arch.hidden_size, max(arch.hidden_size, arch.intermediate_size)],
               "rank": plan_adapters(arch, profile.adapter).rank, "group_size": profile.quant.group_size,
               "fused": fused_int4(profile.quant, profile.hardware.gpu)}
-    if arch.num_experts and not cpu:
+    if cpu:
+        return shapes
+    batch = rollout_batch(profile, mem.micro_batch_size)  # the caller resolved rollout.batch_size: auto
+    if arch.num_experts:
         layout = layout_of(profile, arch.num_experts)
         group = layout.expert_parallel if layout.expert_parallel_on else 1
-        batch = profile.rollout.batch_size if isinstance(profile.rollout.batch_size, int) else \
-            rollout_batch(profile, mem.micro_batch_size) if profile.rollout.batch_size != "auto" else 36
+        # the slots one GPU's held experts receive: every rank's tokens x top-k, its share E_held / E of them; as rows
+        # that each pick top-k of the held experts
+        share = group * layout.experts_per_rank / arch.num_experts
         shapes["experts"] = {"held": layout.experts_per_rank, "hidden": arch.hidden_size,
                              "width": arch.moe_intermediate_size, "top_k": arch.experts_per_token,
-                             "decode_rows": batch * group, "update_rows": tokens * group}
-    if not cpu:
-        kv_heads = 1 if arch.attention == "mla" else arch.num_kv_heads
-        width = arch.kv_lora_rank + arch.qk_rope_head_dim if arch.attention == "mla" else arch.head_dim
-        shapes["attention"] = {"batch": 36, "kv_heads": kv_heads, "head_dim": width, "context": mem.seq_len}
+                             "decode_rows": max(1, round(batch * share)), "update_rows": max(1, round(tokens * share))}
+    kv_heads = 1 if arch.attention == "mla" else arch.num_kv_heads
+    width = arch.kv_lora_rank + arch.qk_rope_head_dim if arch.attention == "mla" else arch.head_dim
+    shapes["attention"] = {"batch": batch, "kv_heads": kv_heads, "head_dim": width, "context": mem.seq_len}
     return shapes
 
 
