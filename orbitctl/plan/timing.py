@@ -507,7 +507,10 @@ class StepTime:
                 "rollout_tokens_per_s": self.phases["rollout"].tokens_per_s,
                 "update_tokens_per_s": self.phases["policy_update"].tokens_per_s,
                 "efficiency": asdict(self.efficiency), "phases": {k: p.to_dict() for k, p in self.phases.items()},
-                "rates": {k: r.to_dict() for k, r in self.rates.items()}, "dominant": self.dominant(),
+                "rates": {k: r.to_dict() for k, r in self.rates.items()},
+                "term_rates": {term: [k for k in keys if k in self.rates and self._applies(k)]
+                               for term, keys in TERM_RATES.items()},
+                "dominant": self.dominant(),
                 "faster": self._faster_dict()}
 
     def _faster_dict(self) -> dict[str, Any] | None:

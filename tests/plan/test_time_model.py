@@ -147,6 +147,9 @@ def test_the_headline_uses_no_rate_faster_than_published(repo, name):
         assert rate == SOURCES.get(key, rate)
     assert timing.efficiency.experts_hbm == SOURCES["experts_hbm"].value < TUNED["experts_hbm"].value
     doc = timing.to_dict()
+    for phase in doc["phases"].values():  # every term of every phase names the rates it rests on
+        for term in phase["terms"]:
+            assert term in doc["term_rates"], term
     assert doc["dominant"] and all(row["rates"] for row in doc["dominant"] if row["term"] not in ("gaps",))
     fast = timing.faster()
     if "qwen3" in name or "kimi" in name:
