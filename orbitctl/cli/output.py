@@ -140,7 +140,7 @@ def table(title: str, columns: list[str] | tuple[str, ...], rows=(), *, left: tu
     left = (columns[0],) if left is None else left
     out = Table(title=title, title_justify="left", caption=caption)
     for col in columns:
-        out.add_column(col, justify="left" if col in left else "right", no_wrap=no_wrap)
+        out.add_column(col, justify="left" if col in left else "right", no_wrap=no_wrap, overflow="fold")
     for row in rows:
         out.add_row(*row)
     return out

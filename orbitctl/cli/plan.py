@@ -93,12 +93,37 @@ def _line(markup: str) -> None:
     output.console("stdout").print(markup, soft_wrap=True, highlight=False)
 
 
+def _summary(result) -> None:
+    """The answer first, in at most 10 lines: the verdict, the step and what it rests on, GPU-hours, the first
+    advice with its --set line. The tables follow."""
+    plan, timing = result.plan, result.plan.timing
+    color = "green" if plan.fits and not plan.tight else ("yellow" if plan.fits else "red")
+    _line(f"[bold]{result.profile_name}[/bold]: [{color}]{plan.verdict()}[/{color}]")
+    if timing is not None:
+        phases = timing.phases
+        _line(f"step {seconds_text(timing.seconds)} (rollout {seconds_text(phases['rollout'].seconds)}, update "
+              f"{seconds_text(phases['policy_update'].seconds + phases['adapter_sync'].seconds)}): "
+              f"{timing.confidence()}")
+        fast = timing.faster()
+        if fast is not None:
+            _line(f"  {seconds_text(fast.seconds)} if the grouped INT4 experts ran at the dense kernels' rates (an "
+                  "assumption no published kernel meets)")
+        _line(_cost_line(timing))
+    if plan.advice:
+        first = plan.advice[0]
+        flags = " ".join(f"--set {value}" for value in first.set_values())
+        more = f" ({len(plan.advice) - 1} more below)" if len(plan.advice) > 1 else ""
+        _line(f"advice: {first.text}   [dim]{flags}[/dim]{more}")
+    _line("")
+
+
 def _render(result) -> None:
     from rich.table import Table
 
     from orbitctl.plan import COMPONENTS, PHASES
 
     plan = result.plan
+    _summary(result)
     table = Table(title=f"{result.profile_name}: GiB per GPU", title_justify="left")
     table.add_column("component")
     for phase in PHASES:
@@ -112,8 +137,6 @@ def _render(result) -> None:
     table.add_section()
     table.add_row("total", *(gib(plan.phase_peak_bytes[p]) for p in PHASES))
     output.show(table)
-    color = "green" if plan.fits and not plan.tight else ("yellow" if plan.fits else "red")
-    _line(f"[{color}]{plan.verdict()}[/{color}]")
     _line(f"params: {_count(plan.params_total)} total, {_count(plan.params_active)} active, "
           f"{plan.params_trainable / 1e6:.1f} M trainable; largest micro-batch that fits: {plan.max_micro_batch}; "
           f"host RAM {gib(plan.host_bytes)} of {gib(plan.host_capacity_bytes)} GiB per node")
@@ -123,7 +146,6 @@ def _render(result) -> None:
     if plan.timing is not None:
         output.show(_time_table(plan.timing))
         output.show(_where_table(plan.timing))
-        _line(_cost_line(plan.timing))
     if plan.nodes:
         output.show(_nodes_table(plan.nodes))
     if plan.layouts:
@@ -183,21 +205,27 @@ def _comm_line(comm) -> str:
             f"tokens; at least {seconds_text(comm.link_seconds)} of traffic on the GPU links")
 
 
+WIDE = 110
+"""Columns from which the layouts table shows each traffic term; narrower, their total only (--json has all)."""
+
+
 def _layouts_table(rows):
     from rich import box
 
     name, unit = _unit(rows)
+    wide = output.console("stdout").width >= WIDE
+    terms = ("gather", "a2a", "reduce") if wide else ()
     table = output.table(f"base layouts: peak GiB per GPU; {name} each GPU sends per RL step",
-                         ("EP", "dense", "peak", "max mb", "gather", "a2a", "reduce", "total", ">= link", "rollout", "step"),
-                         left=("dense",), no_wrap=True)
+                         ("EP", "dense", "peak", "max mb", *terms, name, ">= link", "rollout", "step"),
+                         left=("dense",))
     table.box, table.pad_edge = box.SIMPLE_HEAD, False
     for row in rows:
         b = row["bytes"]
         peak = gib(row["peak_bytes"], 1)
+        split = [_in(b["gathered"], unit), _in(b["exchanged"], unit), _in(b["all_reduce"], unit)] if wide else []
         cells = [str(row["expert_parallel"]) + ("*" if row["current"] else ""), row["dense_layout"],
-                 peak if row["fits"] else f"[red]{peak}[/red]", str(row["max_micro_batch"]), _in(b["gathered"], unit),
-                 _in(b["exchanged"], unit), _in(b["all_reduce"], unit), _in(row["total_bytes"], unit),
-                 seconds_text(row["link_seconds"]), seconds_text(row["rollout_seconds"]),
+                 peak if row["fits"] else f"[red]{peak}[/red]", str(row["max_micro_batch"]), *split,
+                 _in(row["total_bytes"], unit), seconds_text(row["link_seconds"]), seconds_text(row["rollout_seconds"]),
                  seconds_text(row["step_seconds"])]
         table.add_row(*(f"[bold green]{c}[/bold green]" if row["best"] else c for c in cells[:-2]),
                       *(f"[bold green]{c}[/bold green]" if row["fastest"] else c for c in cells[-2:]))
@@ -211,7 +239,7 @@ def _time_table(timing):
 
     table = output.table(f"one RL step, predicted seconds per GPU: {seconds_text(timing.seconds)}, "
                          f"{timing.gpu_hours:.3g} GPU-hours on {timing.world} GPU(s)",
-                         ("phase", "compute", "HBM", "comm", "overhead", "time", "bound", "tok/s"), no_wrap=True)
+                         ("phase", "compute", "HBM", "comm", "overhead", "time", "bound", "tok/s"))
     table.box, table.pad_edge, table.padding = box.SIMPLE_HEAD, False, (0, 0, 0, 1)
     for name in TIME_PHASES:
         p = timing.phases[name]
@@ -273,7 +301,7 @@ def _compare_table(doc):
 
     table = output.table("--compare: predicted seconds per RL step at equal batch, fastest first",
                          ("option", "rollout", "update", "step", "x own", "GPU-h", "cost", "fits"), left=("option",),
-                         no_wrap=True)
+                         )
     table.box, table.pad_edge, table.padding = box.SIMPLE_HEAD, False, (0, 0, 0, 1)
     axis = None
     for row in doc["rows"]:
@@ -293,7 +321,7 @@ def _compare_table(doc):
 
 def _nodes_table(rows):
     table = output.table("the same run on more nodes (same global batch; NIC between nodes)",
-                         ("nodes", "GPUs", "rollout", "update", "step", "GPU-h", "decode tok/s", "fits"), no_wrap=True)
+                         ("nodes", "GPUs", "rollout", "update", "step", "GPU-h", "decode tok/s", "fits"))
     for row in rows:
         ph = row["phase_seconds"]
         table.add_row(str(row["nodes"]), str(row["world"]), seconds_text(ph["rollout"]),

@@ -143,6 +143,7 @@ def plan_profile(profile, *, gpu_memory_bytes: int | None = None, with_advice: b
     resolves to (:func:`resolve_rollout_batch`)."""
     auto = profile.rollout.batch_size == "auto"
     graphs_auto = profile.rollout.decode_graphs == "auto"
+    given = profile
     profile = resolve_rollout_batch(profile, gpu_memory_bytes=gpu_memory_bytes)
     if graphs_auto and profile.rollout.continuous_batching is True:  # streamed rows: eager decode
         profile, graphs_auto = apply_changes(profile, {"rollout.decode_graphs": False}), False
@@ -162,8 +163,12 @@ def plan_profile(profile, *, gpu_memory_bytes: int | None = None, with_advice: b
                           f"{seconds_text(graphed)} with graphs, {seconds_text(eager)} eager)")
     if with_advice:
         def replan(change: dict[str, Any], search: bool = False) -> MemoryPlan | None:
+            """The plan a user gets from the profile as given plus ``--set`` ``change``: its ``auto`` values
+            resolved again for the changed run (an FP8 cache fits more sequences)."""
             try:
-                other = apply_changes(profile, change)
+                other = apply_changes(given if auto or graphs_auto else profile, change)
+                if auto or graphs_auto:
+                    other = _resolved(other, gpu_memory_bytes)
             except (ProfileError, UserError):
                 return None
             inputs = prepare(other, _arch(other))
@@ -176,6 +181,12 @@ def plan_profile(profile, *, gpu_memory_bytes: int | None = None, with_advice: b
         plan.notes += layout_notes(plan.layouts)
         plan.nodes = compare_nodes(profile, plan, lambda change: replan(change))
     return plan
+
+
+def _resolved(profile, gpu_memory_bytes: int | None):
+    """``profile`` with rollout.batch_size and rollout.decode_graphs ``auto`` resolved, as :func:`plan_profile` does."""
+    profile = resolve_rollout_batch(profile, gpu_memory_bytes=gpu_memory_bytes)
+    return resolve_decode_graphs(profile, gpu_memory_bytes=gpu_memory_bytes)
 
 
 def _rollout_batch_advice(profile, plan: MemoryPlan, gpu_memory_bytes: int | None, auto: bool) -> list[Advice]:

@@ -12,7 +12,6 @@ step sends, so the fitting layout that moves the least stands out.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 from orbitctl.plan.comm import bytes_text
@@ -41,18 +40,21 @@ def _candidates(profile, plan: MemoryPlan, arch) -> list[tuple[dict[str, Any], s
     mem, quant, ro, hw = profile.memory, profile.quant, profile.rollout, profile.hardware
     out: list[tuple[dict[str, Any], str]] = []
     mb, best = mem.micro_batch_size, plan.max_micro_batch
+    per_rank = mb * mem.gradient_accumulation_steps  # sequences per rank and optimizer step: kept by these changes
     if plan.fits and best > mb:
-        steps = max(1, math.ceil(mem.gradient_accumulation_steps * mb / best))
-        out.append(({"memory.micro_batch_size": best, "memory.gradient_accumulation_steps": steps},
-                    f"raise the micro-batch to {best} (largest that fits), accumulate {steps}"))
+        size = same_batch_micro_batch(per_rank, best)
+        if size > mb:
+            out.append(({"memory.micro_batch_size": size, "memory.gradient_accumulation_steps": per_rank // size},
+                        f"raise the micro-batch to {size} (the largest that fits and divides the {per_rank} sequences "
+                        f"per rank and step), accumulate {per_rank // size} (same global batch)"))
         return out
     if best and best < mb:
-        steps = math.ceil(mem.gradient_accumulation_steps * mb / best)
-        out.append(({"memory.micro_batch_size": best, "memory.gradient_accumulation_steps": steps},
-                    f"lower the micro-batch to {best} and accumulate {steps} steps (same global batch)"))
+        size = same_batch_micro_batch(per_rank, best)
+        out.append(({"memory.micro_batch_size": size, "memory.gradient_accumulation_steps": per_rank // size},
+                    f"lower the micro-batch to {size} and accumulate {per_rank // size} steps (same global batch)"))
     elif mb > 1:
-        out.append(({"memory.micro_batch_size": 1, "memory.gradient_accumulation_steps": mem.gradient_accumulation_steps * mb},
-                    "lower the micro-batch to 1"))
+        out.append(({"memory.micro_batch_size": 1, "memory.gradient_accumulation_steps": per_rank},
+                    f"lower the micro-batch to 1 and accumulate {per_rank} steps (same global batch)"))
     if not mem.gradient_checkpointing:
         out.append(({"memory.gradient_checkpointing": True}, "turn on gradient checkpointing (keep one input per layer)"))
     if mem.loss_chunk_size == 0 and mem.seq_len * mb > 1024:
@@ -98,6 +100,12 @@ def _candidates(profile, plan: MemoryPlan, arch) -> list[tuple[dict[str, Any], s
     return out
 
 
+def same_batch_micro_batch(per_rank: int, most: int) -> int:
+    """The largest micro-batch of at most ``most`` that divides ``per_rank`` (micro-batch x accumulation): the
+    global batch stays exactly what it was."""
+    return max(d for d in range(1, min(per_rank, most) + 1) if per_rank % d == 0)
+
+
 def _nvidia(gpu: str) -> bool:
     from orbitctl.profile.gpus import resolve_gpu
 
@@ -114,7 +122,10 @@ def advise(profile, plan: MemoryPlan, arch, replan: Callable[[dict[str, Any]], M
         other = replan(change)
         if other is None:
             continue
-        if other.fits or other.peak_bytes < plan.peak_bytes:
+        # advice that leaves the peak where it is changes nothing the plan can show: not given (raising the
+        # micro-batch is the exception: it spends the room the plan found)
+        raises = change.get("memory.micro_batch_size", 0) > profile.memory.micro_batch_size
+        if other.peak_bytes < plan.peak_bytes or (not plan.fits and other.fits) or (raises and other.fits):
             advice.append(_advice(change, text, other))
     if not plan.fits and not any(a.fits for a in advice):
         combined = _combine(candidates, plan, replan)

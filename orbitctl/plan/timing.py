@@ -457,6 +457,25 @@ class StepTime:
             return None
         return self.retimed(changed)
 
+    def confidence(self) -> str:
+        """What the prediction rests on, in a line: measured, partly measured or published rates, or a stand-in."""
+        from orbitctl.plan.rates import ASSUMED, MEASURED
+
+        used = {k: r for row in self.dominant() for k, r in row["rates"].items()}
+        measured = sorted(k for k, r in used.items() if r["kind"] == MEASURED)
+        if self.peaks is not None and self.peaks.synchronous:
+            cpu = self.rates.get("cpu_flops")
+            if cpu is not None and cpu.kind == ASSUMED:
+                return "a prediction at the catalog's stand-in CPU rates (plan --calibrate measures this machine)"
+            return f"a prediction at this CPU's measured rates ({self.rates['cpu_op_s'].source})"
+        if used and len(measured) == len(used):
+            return "a prediction at rates measured on this GPU kind (hardware.calibration)"
+        if measured:
+            return (f"a prediction, {', '.join(measured)} measured on this GPU kind, the rest published or assumed "
+                    "(see where the time goes)")
+        return ("a prediction at published kernel rates, none measured on this GPU (plan --calibrate); "
+                "docs/plan.md, Anchors")
+
     def _applies(self, rate: str) -> bool:
         """Whether ``rate`` entered this prediction: the NIC only across nodes, an engine's all-reduce latency only
         under tensor parallelism."""
@@ -510,7 +529,7 @@ class StepTime:
                 "rates": {k: r.to_dict() for k, r in self.rates.items()},
                 "term_rates": {term: [k for k in keys if k in self.rates and self._applies(k)]
                                for term, keys in TERM_RATES.items()},
-                "dominant": self.dominant(),
+                "dominant": self.dominant(), "confidence": self.confidence(),
                 "faster": self._faster_dict()}
 
     def _faster_dict(self) -> dict[str, Any] | None:
