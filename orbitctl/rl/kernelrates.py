@@ -112,7 +112,8 @@ def gpu_rates(torch, shapes: dict, skipped: dict) -> dict:
         else:
             from orbitctl.codec.formats import round_scales
 
-            E, H, I, top, G = ex["held"], ex["hidden"], ex["width"], ex["top_k"], shapes["group_size"]
+            E, H, I, G = ex["held"], ex["hidden"], ex["width"], shapes["group_size"]
+            top = min(ex["top_k"], E)  # each row picks distinct experts among the held ones
 
             def int4(rows: int, cols: int):
                 words = torch.randint(-2**31, 2**31 - 1, (E, rows, cols // 8), dtype=torch.int32, device=dev,
