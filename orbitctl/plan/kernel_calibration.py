@@ -92,9 +92,13 @@ def calibrate(profile, out: str | Path) -> Path:
     if spec.vendor != "cpu" and spec.marketing.split()[0].upper() not in got["device"].upper():
         raise UserError(f"--calibrate: this machine's GPU is {got['device']}; the profile plans {spec.marketing}",
                         fix=f"calibrate on a {spec.name} machine, or set hardware.gpu to this GPU's catalog entry")
-    from orbitctl import __version__
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        orbitctl_version = version("orbitctl")
+    except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
+        orbitctl_version = "unknown"
     doc = {"gpu": spec.name, "device": got["device"], "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "profile": profile.name, "orbitctl": __version__, "torch": got.get("torch"), "rates": got["rates"],
+           "profile": profile.name, "orbitctl": orbitctl_version, "torch": got.get("torch"), "rates": got["rates"],
            "shapes": shapes, "skipped": got.get("skipped", {})}
     return write_calibration(out, doc)
