@@ -13,7 +13,7 @@ from __future__ import annotations
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "units", "procmem"),
-    ("rundir",),
+    ("rundir", "isolated"),
     ("dist",),
     ("arch",),
     ("profile",),

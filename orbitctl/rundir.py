@@ -15,6 +15,7 @@ The layout (``train`` writes it, ``verify-alignment --run`` and ``doctor`` read 
     adapter/              the final adapter, PEFT format
     checkpoints/step-N/   complete checkpoints (a COMPLETE marker written last); .tmp-step-N while written
     report/               plots and tables made from the run
+    tensorboard/ wandb/ mlflow/   what run.loggers write: event files, offline W&B runs, a local MLflow store
 
 Everything that must not be seen half-written goes through :func:`atomic_file` or
 :func:`atomic_dir`: a temporary name next to the target, renamed into place when complete, so an
@@ -174,11 +175,16 @@ class RunDir:
     ADAPTER = "adapter"
     CHECKPOINTS = "checkpoints"
     REPORT = "report"
+    TENSORBOARD = "tensorboard"
+    WANDB = "wandb"
+    MLFLOW = "mlflow"
+    LOGGER_DIRS = (TENSORBOARD, WANDB, MLFLOW)
+    """What ``run.loggers`` write (docs/train.md, "Experiment trackers")."""
     COMPLETE = "COMPLETE"
     """The marker a checkpoint gets last; a checkpoint without it is partial."""
     TRAINER_STATE = "trainer.json"
     """The trainer's own state inside a checkpoint (step, data cursor, dtypes, threads)."""
-    OWNED = (CHECKPOINTS, ADAPTER, METRICS, SUMMARY, PROFILE, DEEPSPEED_CONFIG)
+    OWNED = (CHECKPOINTS, ADAPTER, METRICS, SUMMARY, PROFILE, DEEPSPEED_CONFIG, *LOGGER_DIRS)
     """What ``--fresh`` removes."""
 
     def __init__(self, root: str | Path):

@@ -47,3 +47,15 @@ def _one_error_line(err: str, *needles: str) -> None:
 def one_error_line():
     """``one_error_line(stderr, *needles)``: a bad-input error printed as one line naming the needles."""
     return _one_error_line
+
+
+@pytest.fixture
+def gpu_profile_inputs(tmp_path):
+    """``--set`` arguments that give a shipped GPU profile the files `train --dry-run` checks for: a stand-in
+    quantized base (a directory with a config.json) and a one-record GSM8K data file."""
+    base = tmp_path / "quantized-base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "What is 2 + 3?", "answer": "2 + 3 = 5\\n#### 5"}\n')
+    return ["--set", f"model.quantized_path={base}", "--set", f"data.train={data}"]

@@ -8,7 +8,7 @@ Two guards, both checked here:
   libraries are disassembled (``objdump -d``, binutils, which any machine that compiled llama.cpp has) and must
   hold no AMX, no AVX-512 (EVEX encodings, %zmm, %k masks), no AVX-VNNI, no BMI2, and do hold AVX2/FMA/F16C code;
   the classifier is checked on known encodings first, so a count of 0 means something;
-* the isolation: llama.cpp runs in a child (``orbitctl.export.isolated.run_isolated``), so a crash is one failed
+* the isolation: llama.cpp runs in a child (``orbitctl.isolated.run_isolated``), so a crash is one failed
   call with the signal and its cause. A child that executes a real illegal instruction (``ud2`` written into an
   executable page and called) proves it: SIGILL, the cause line, and this process goes on.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from orbitctl.export.isolated import NativeCrash, run_isolated
+from orbitctl.isolated import NativeCrash, run_isolated
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("llama_cpp_check", ROOT / "benchmarks" / "llama_cpp_check.py")
@@ -68,8 +68,10 @@ def sleep_long() -> None:
 
 
 def test_an_illegal_instruction_kills_the_child_only_with_sigill_and_its_cause():
+    from orbitctl.export.llamacpp import SIGILL_FIX
+
     with pytest.raises(NativeCrash) as info:
-        run_isolated(execute_illegal_instruction, what="llama.cpp", timeout=120)
+        run_isolated(execute_illegal_instruction, what="llama.cpp", timeout=120, sigill_fix=SIGILL_FIX)
     crash = info.value
     assert crash.signum == signal.SIGILL and crash.signame == "SIGILL"
     line = crash.render()
@@ -153,3 +155,51 @@ def test_the_makefile_builds_the_version_pyproject_pins_with_native_off():
                  "GGML_AMX_TILE=OFF", "GGML_AMX_INT8=OFF", "GGML_AMX_BF16=OFF", "GGML_CPU_ALL_VARIANTS=OFF"):
         assert f"-D{flag}" in args, flag
     assert "--no-cache-dir" in makefile and "--no-index --find-links" in makefile  # pip's cache never serves it
+
+
+# orbitctl's own compiled CPU kernels: their first calls on a machine run in a child (orbitctl.model.bf16_cpu)
+TRAPPING_KERNELS = """
+#include <cstdint>
+extern "C" {
+int orbitctl_int4_bf16_mm(const void*, const void*, const void*, void*, int64_t, int64_t, int64_t, int64_t) {
+    __builtin_trap();  // ud2 on x86-64: what an instruction the CPU or the OS refuses does
+}
+int orbitctl_int4_bf16_dequantize(const void*, const void*, void*, int64_t, int64_t, int64_t) { return 0; }
+int orbitctl_decode_attention(...) { return 0; }
+}
+"""
+
+
+@pytest.mark.skipif(not X86, reason="__builtin_trap is ud2 (SIGILL) on x86-64")
+def test_a_kernel_library_that_dies_on_its_first_call_is_refused_with_the_signal_and_never_loaded_here(tmp_path):
+    import shutil
+    import subprocess
+
+    from orbitctl.model import bf16_cpu
+
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    source, library = tmp_path / "trap.cpp", tmp_path / "bf16_cpu-trap.so"
+    source.write_text(TRAPPING_KERNELS)
+    subprocess.run([compiler, "-shared", "-fPIC", str(source), "-o", str(library)], check=True)
+    why = bf16_cpu.first_load_refusal(library)
+    assert why is not None and why.startswith("orbitctl's AVX512-BF16 kernels (their first calls, in a child) died "
+                                              "with SIGILL (illegal instruction): "), why
+    assert "\n" not in why
+    assert not list(tmp_path.glob("*.ok"))  # no stamp: the next process tries again rather than loading it
+    assert run_isolated(add, 1, b=1) == 2  # this process lives on
+
+
+def test_orbitctls_cpu_kernels_first_calls_ran_in_a_child_on_this_machine():
+    """Where the kernels run here, their first calls passed in a child (a crash would be this test's failure: the
+    signal and its cause), and the stamp beside the library spares every later process that child."""
+    from orbitctl.model import bf16_cpu
+
+    why = bf16_cpu.cpu_unsupported()
+    if why is not None:
+        pytest.skip(f"orbitctl's AVX512-BF16 kernels do not run here: {why}")
+    path = bf16_cpu.build()
+    assert bf16_cpu.first_load_refusal(path) is None
+    assert list(path.parent.glob(f"{path.name}.*.ok"))
+    assert bf16_cpu.available()

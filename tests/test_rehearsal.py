@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from orbitctl.isolated import signal_death
+
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "profiles" / "kimi-k2_grpo_int4_8xh200.yaml"
 STEPS = ["load", "prefill", "decode", "sampling", "update", "statistics", "adapter_sync"]
@@ -29,7 +31,9 @@ def rehearse(tmp_path: Path, *args: str, package: Path | None = None) -> tuple[d
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run([sys.executable, "-m", "orbitctl.launch.rehearse", "--profile", str(PROFILE), "--json",
                            str(out), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert out.exists(), f"no report (exit {done.returncode}):\n{done.stdout}\n{done.stderr[-3000:]}"
+    # the child first-loads fake_cuda's library: a crash there fails this test with the signal and its cause
+    died = signal_death("the rehearsal (fake_cuda's library loads there)", done.returncode)
+    assert out.exists(), f"no report ({died or f'exit {done.returncode}'}):\n{done.stdout}\n{done.stderr[-3000:]}"
     report = json.loads(out.read_text())
     if package is not None:  # the copy ran, not the installed package
         assert report["steps"][0]["status"] in ("pass", "fail")

@@ -14,6 +14,7 @@ from typing import Any
 import typer
 import typer.core
 
+from orbitctl.cli.command import Group
 from orbitctl.errors import EXIT_BAD_INPUT, OrbitError
 
 COMMANDS: dict[str, str] = {
@@ -80,7 +81,7 @@ def _available() -> list[str]:
     return [name for name, module in COMMANDS.items() if importlib.util.find_spec(f"orbitctl.cli.{module}")]
 
 
-class OrbitctlGroup(typer.core.TyperGroup):
+class OrbitctlGroup(Group):
     """The top-level group, whose subcommands are :class:`LazyCommands`."""
 
     def __init__(self, *, commands: Any = None, **attrs: Any) -> None:

@@ -1,7 +1,7 @@
 """`orbitctl doctor`: what is wrong with this machine, why did the run die, why is training unstable.
 
     orbitctl doctor
-    orbitctl doctor --log train.log --profile profiles/kimi-k2_grpo_int4_8xb200.yaml
+    orbitctl doctor profiles/kimi-k2_grpo_int4_8xb200.yaml --log train.log
     orbitctl doctor --run runs/tiny-cpu
     orbitctl doctor --save-snapshot node7.json
     orbitctl doctor --snapshot node7.json --json
@@ -14,16 +14,18 @@ from typing import List, Optional
 import typer
 
 from orbitctl.cli import output
+from orbitctl.cli.command import Command
 from orbitctl.cli.common import JsonOption, SetOption, overrides
 
 
 def doctor(
+    profile: Optional[str] = typer.Argument(None, metavar="PROFILE",
+                                            help="Check the profile's hardware against this machine and plan for its "
+                                                 "free memory."),
     log: Optional[str] = typer.Option(None, "--log", "-l", metavar="FILE", help="A failed run's log to triage ('-' reads stdin)."),
     run: Optional[str] = typer.Option(None, "--run", metavar="RUN_DIR",
                                       help="A training run's directory: why training is unstable, from its metrics.jsonl "
-                                           "(judged against its profile.yaml, or --profile)."),
-    profile: Optional[str] = typer.Option(None, "--profile", "-p", metavar="PROFILE",
-                                          help="Check the profile's hardware against this machine and plan for its free memory."),
+                                           "(judged against its profile.yaml, or PROFILE)."),
     set_: Optional[List[str]] = SetOption,
     snapshot: Optional[str] = typer.Option(None, "--snapshot", metavar="FILE", help="Run the checks on a saved snapshot."),
     save_snapshot: Optional[str] = typer.Option(None, "--save-snapshot", metavar="FILE", help="Write the probed snapshot as JSON."),
@@ -42,7 +44,7 @@ def doctor(
 
         orbitctl doctor
 
-        orbitctl doctor --log train.log --profile profiles/tiny-cpu.yaml
+        orbitctl doctor profiles/tiny-cpu.yaml --log train.log
 
         journalctl -u train --no-pager | orbitctl doctor --log - --json
 
@@ -76,7 +78,7 @@ def render(report) -> None:
         rc = report.root_cause
         where = f" on rank {rc.rank}" if rc.rank is not None else ""
         output.show(output.status(rc.status, f"Root cause: {rc.id}{where}: {rc.title}"))
-    for area, rows in report.by_area():
+    for area, rows in report.by_area(without_no_gpu_skips=True):
         table = Table(title=area, title_justify="left", show_lines=True, expand=False)
         table.add_column("status", no_wrap=True)
         table.add_column("check", no_wrap=True)
@@ -92,4 +94,4 @@ def render(report) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("doctor")(doctor)
+    app.command("doctor", cls=Command)(doctor)

@@ -3,6 +3,7 @@
     orbitctl eval profiles/tiny-cpu.yaml --suite held_out.jsonl
     orbitctl eval profiles/tiny-cpu.yaml --suite humaneval --adapter runs/tiny-cpu/adapter --samples 10 --limit 20
     orbitctl eval --suite humaneval --completions samples.jsonl --out results.jsonl
+    orbitctl eval profiles/smollm2-135m-agent-cpu.yaml --suite env:household-pick-1 --limit 64
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ from typing import List, Optional
 import typer
 
 from orbitctl.cli import output
+from orbitctl.cli.command import Command
 from orbitctl.cli.common import JsonOption, SetOption, overrides
 
 
 def eval_command(
-    profile_path: Optional[str] = typer.Argument(None, metavar="[PROFILE]",
+    profile_path: Optional[str] = typer.Argument(None, metavar="PROFILE",
                                                  help="Profile YAML (needed to generate; optional with --completions)."),
-    suite: str = typer.Option("humaneval", "--suite", help="humaneval, gsm8k, math, or a data file graded by the "
-                                                          "profile's data.reward."),
+    suite: str = typer.Option("humaneval", "--suite", help="humaneval, gsm8k, math, a data file graded by the "
+                                                          "profile's data.reward, or env:NAME (an environment's "
+                                                          "held-out episodes)."),
     data: Optional[str] = typer.Option(None, "--data", metavar="FILE",
                                        help="The tasks of gsm8k/math (default: the profile's data.eval, else data.train), "
                                             "or another HumanEval-layout file."),
@@ -53,6 +56,8 @@ def eval_command(
         orbitctl eval profiles/tiny-cpu.yaml --suite humaneval --adapter runs/tiny-cpu/adapter --samples 10 --limit 20
 
         orbitctl eval --suite humaneval --completions samples.jsonl --out results.jsonl --json
+
+        orbitctl eval profiles/smollm2-135m-agent-cpu.yaml --suite env:household-pick-1 --adapter runs/agent/adapter
     """
     from orbitctl.evals import api
 
@@ -77,11 +82,19 @@ def render(result, out: str | None) -> None:
                          left=("suite", "metric"),
                          caption=f"interval over tasks: {', '.join(methods)}; samples per task: "
                                  f"{per_task if per_task else 'varies'}")
-    suite = result.suite if result.suite in ("humaneval", "gsm8k", "math") else Path(result.suite).name
+    named = result.suite in ("humaneval", "gsm8k", "math") or result.suite.startswith("env:")
+    suite = result.suite if named else Path(result.suite).name
     for e in result.estimates:
-        name = "accuracy" if result.metric == "accuracy" and e.k == 1 else f"pass@{e.k}"
+        name = result.metric if result.metric in ("accuracy", "completion") and e.k == 1 else f"pass@{e.k}"
         table.add_row(suite, str(result.tasks), str(result.samples), name, f"{e.value:.4f}",
                       f"{e.low:.3f}-{e.high:.3f}", f"{result.seconds['total']:.1f} s")
+    if result.episodes is not None:  # an environment suite: how the completed episodes went, and the tool calls
+        turns, valid = result.episodes["mean_turns_to_success"], result.episodes["tool_call_valid_rate"]
+        table.add_row(suite, str(result.tasks), str(result.samples), "turns to success",
+                      "-" if turns is None else f"{turns:.2f}", "-", "")
+        if valid is not None:
+            table.add_row(suite, str(result.tasks), str(result.samples), "valid tool calls", f"{valid:.4f}",
+                          f"of {result.episodes['tool_calls']} calls", "")
     output.show(table)
     if result.missing_tasks:
         shown = ", ".join(result.missing_tasks[:3]) + (", ..." if len(result.missing_tasks) > 3 else "")
@@ -93,4 +106,4 @@ def render(result, out: str | None) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("eval")(eval_command)
+    app.command("eval", cls=Command)(eval_command)

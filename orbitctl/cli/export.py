@@ -11,6 +11,7 @@ from typing import List, Optional
 import typer
 
 from orbitctl.cli import output
+from orbitctl.cli.command import Command
 from orbitctl.cli.common import JsonOption, SetOption, overrides
 
 
@@ -20,7 +21,8 @@ def export_command(
     fmt: str = typer.Option(..., "--format", "-f", help="gguf (llama.cpp: base + LoRA files) or hf-merged (bf16 HF checkpoint)."),
     adapter: Optional[str] = typer.Option(None, "--adapter", metavar="DIR", help="A run's adapter/ directory (PEFT LoRA)."),
     prompts: int = typer.Option(8, "--prompts", help="hf-merged: held-out sequences the merge cost is measured on."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing OUT."),
+    fresh: bool = typer.Option(False, "--fresh", help="Start over: replace an existing OUT."),
+    force: bool = typer.Option(False, "--force", hidden=True, help="The old name of --fresh."),
     set_: Optional[List[str]] = SetOption,
     json_out: bool = JsonOption,
 ) -> None:
@@ -36,8 +38,10 @@ def export_command(
     """
     from orbitctl.export import api
 
+    if force:
+        output.warn("--force is the old name of --fresh, the one word every command uses for starting over")
     with output.progress(stages=True, enabled=not json_out) as progress:
-        result = api.export(profile_path, out, fmt, adapter=adapter, overrides=overrides(set_), force=force,
+        result = api.export(profile_path, out, fmt, adapter=adapter, overrides=overrides(set_), fresh=fresh or force,
                             prompts=prompts, progress=progress)
     if json_out:
         output.emit_json(result.to_dict())
@@ -82,4 +86,4 @@ def render(result) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("export")(export_command)
+    app.command("export", cls=Command)(export_command)

@@ -30,9 +30,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def emit_json(document: Any) -> None:
-    """Print one JSON document on stdout (never through rich, which wraps lines)."""
-    print(json.dumps(document, indent=2, sort_keys=False, default=_json_default))
+def emit_json(document: Any, *, one_line: bool = False) -> None:
+    """Print one JSON document on stdout (never through rich, which wraps lines); ``one_line`` for a command that
+    goes on running after it (``serve``), so that whoever reads its stdout line by line has the document whole."""
+    print(json.dumps(document, indent=None if one_line else 2, sort_keys=False, default=_json_default))
     sys.stdout.flush()
 
 

@@ -16,13 +16,14 @@ from typing import List, Optional
 import typer
 
 from orbitctl.cli import output
+from orbitctl.cli.command import Command
 from orbitctl.cli.common import JsonOption, SetOption, overrides
 from orbitctl.units import GiB, MiB, TiB, gib
 
 
 
 def plan(
-    profile: Optional[str] = typer.Argument(None, help="Profile YAML file."),
+    profile: Optional[str] = typer.Argument(None, metavar="PROFILE", help="Profile YAML file."),
     set_: Optional[List[str]] = SetOption,
     json_out: bool = JsonOption,
     sweep: Optional[List[str]] = typer.Option(
@@ -392,4 +393,4 @@ def _arch_table(archs):
 
 
 def register(app: typer.Typer) -> None:
-    app.command("plan")(plan)
+    app.command("plan", cls=Command)(plan)

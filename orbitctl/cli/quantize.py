@@ -12,12 +12,13 @@ from typing import List, Optional
 import typer
 
 from orbitctl.cli import output
+from orbitctl.cli.command import Command
 from orbitctl.cli.common import JsonOption, SetOption, overrides
 
 
 def quantize(
     target: Optional[str] = typer.Argument(None, metavar="PROFILE | SRC", help="A profile YAML, or a checkpoint directory or .gguf file, pkg:PACKAGE/PATH too (then OUT and --format)."),
-    out: Optional[str] = typer.Argument(None, metavar="[OUT]", help="Output directory (with SRC)."),
+    out: Optional[str] = typer.Argument(None, metavar="OUT", help="Output directory (with SRC)."),
     fmt: Optional[str] = typer.Option(None, "--format", "-f", help="nf4, fp4, int4, fp8 or none (required with SRC; with a profile it sets quant.format)."),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="bnb block size (nf4/fp4) or INT4 group (32/64/128); unset: quant.group_size."),
     double_quant: Optional[bool] = typer.Option(None, "--double-quant/--no-double-quant", help="nf4/fp4: quantize the absmax scales again; unset: quant.double_quant."),
@@ -111,4 +112,4 @@ def _fmt_name(spec: dict) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("quantize")(quantize)
+    app.command("quantize", cls=Command)(quantize)

@@ -12,6 +12,7 @@ from typing import List, Optional
 import typer
 
 from orbitctl.cli import output
+from orbitctl.cli.command import Command
 from orbitctl.cli.common import JsonOption
 from orbitctl.units import gib
 
@@ -77,4 +78,4 @@ def _num(value, spec: str) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("report")(report_command)
+    app.command("report", cls=Command)(report_command)

@@ -4,6 +4,7 @@
     orbitctl serve profiles/tiny-cpu.yaml --adapter runs/tiny-cpu/adapter --port 8001
     orbitctl serve profiles/tiny-cpu.yaml --adapter step100=runs/tiny-cpu/checkpoints/step-100/adapter
     ORBITCTL_API_KEY=... orbitctl serve profiles/tiny-cpu.yaml --host 0.0.0.0 --allow-adapter-loading --adapter-root runs
+    orbitctl serve profiles/tiny-cpu.yaml --port 0 --json     (one JSON line on stdout once the port is bound)
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import List, Optional
 import typer
 
 from orbitctl.cli import output
+from orbitctl.cli.command import Command
 from orbitctl.cli.common import SetOption, overrides
 
 
@@ -43,6 +45,9 @@ def serve_command(
     max_n: int = typer.Option(16, "--max-n", min=1, help="Most completions of one prompt (n)."),
     max_batch: int = typer.Option(1024, "--max-batch", min=1, help="Most completions in one request (prompts x n)."),
     set_: Optional[List[str]] = SetOption,
+    json_out: bool = typer.Option(False, "--json", help="Print the startup facts (url, port, pid, models, key "
+                                                        "required, adapter loading, limits) as one JSON line on "
+                                                        "stdout once the port listens."),
 ) -> None:
     """Serve /v1/completions, /v1/chat/completions and /v1/models over the trainer's infer path.
 
@@ -59,14 +64,26 @@ def serve_command(
         orbitctl serve profiles/tiny-cpu.yaml --adapter step100=runs/tiny-cpu/checkpoints/step-100/adapter
 
         ORBITCTL_API_KEY=... orbitctl serve profiles/tiny-cpu.yaml --host 0.0.0.0 --allow-adapter-loading --adapter-root runs
+
+        orbitctl serve profiles/tiny-cpu.yaml --port 0 --json
     """
     from orbitctl.serve import api
     from orbitctl.serve.security import Limits
 
     api.serve_profile(profile_path, overrides(set_), adapter or [], host=host, port=port, max_waiting=max_waiting,
                       api_key=api_key, allow_adapter_loading=allow_adapter_loading, adapter_root=adapter_root,
-                      limits=Limits(max_prompt_tokens, max_tokens, max_n, max_batch), on_ready=output.info)
+                      limits=Limits(max_prompt_tokens, max_tokens, max_n, max_batch),
+                      on_ready=_emit_startup if json_out else _show_startup)
+
+
+def _emit_startup(startup) -> None:
+    output.emit_json(startup.to_dict(), one_line=True)
+
+
+def _show_startup(startup) -> None:
+    guarded = " (API key required)" if startup.api_key_required else ""
+    output.info(f"serving {', '.join([startup.base, *startup.adapters])} at {startup.url}{guarded}")
 
 
 def register(app: typer.Typer) -> None:
-    app.command("serve")(serve_command)
+    app.command("serve", cls=Command)(serve_command)

@@ -12,6 +12,7 @@ from typing import List, Optional
 import typer
 
 from orbitctl.cli import output
+from orbitctl.cli.command import Command
 from orbitctl.cli.common import JsonOption, SetOption, overrides
 from orbitctl.units import gib
 
@@ -27,7 +28,8 @@ def train_command(
                                               help="hardware.nodes > 1: the address of the first node."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what train would build for each rank (layout, experts, "
                                  "DeepSpeed config, offload and chunking, the plan, the machine check) and exit; "
-                                 "loads no weights and needs no GPU."),
+                                 "loads no weights and needs no GPU, but refuses a model or data path that is not "
+                                 "there."),
     rehearse: bool = typer.Option(False, "--rehearse", help="Rehearse the profile's GPU paths on this CPU and exit: "
                                   "fake cuda tensors at the model's real widths, one rank of the profile's world under "
                                   "a group that takes CUDA tensors only, as NCCL does (docs/train.md, Rehearsal)."),
@@ -193,9 +195,11 @@ class LiveView:
         self.total, self.every = total, every
         self.line = output.LiveLine()
         self.last_eval = ""
+        self.plan_step_s: float | None = None
 
     def event(self, kind: str, payload: dict) -> None:
         if kind == "setup":
+            self.plan_step_s = payload.get("plan_step_s")
             output.info(f"adapter: {payload['adapter']}")
             output.info(f"base: {payload['base']}{' (built now)' if payload.get('built') else ' (cached)'}")
             if payload.get("quant"):
@@ -225,10 +229,20 @@ class LiveView:
         def fmt(value, spec):
             return "-" if value is None else format(value, spec)
 
-        return (f"step {r['step']}/{self.total}  reward {fmt(r['reward_mean'], '.3f')}  acc {fmt(r['accuracy'], '.1%')}  "
+        return (f"step {r['step']}/{self.total}  {self._eta(r)}  reward {fmt(r['reward_mean'], '.3f')}  "
+                f"acc {fmt(r['accuracy'], '.1%')}  "
                 f"{self.last_eval}  entropy {fmt(r['entropy'], '.3f')}  k3 {fmt(r['mismatch_k3_kl'], '.1e')}  "
                 f"|dlogp|max {fmt(r['mismatch_logp_abs_max'], '.1e')}  {fmt(r['samples_per_s'], '.0f')} samples/s  "
                 f"{fmt(r['tokens_per_s'], '.0f')} tok/s  mem {self._memory(r)}")
+
+    def _eta(self, r: dict) -> str:
+        """The time left from the measured seconds per step (the mean after the first), beside the plan's."""
+        from orbitctl.plan.timing import seconds_text
+
+        steps = [] if r.get("step_s_mean") is None else [f"{seconds_text(r['step_s_mean'])}/step"]
+        if self.plan_step_s is not None:
+            steps.append(f"plan {seconds_text(self.plan_step_s)}/step")
+        return f"ETA {seconds_text(r.get('eta_s'))}" + (f" ({', '.join(steps)})" if steps else "")
 
     @staticmethod
     def _memory(r: dict) -> str:
@@ -248,4 +262,4 @@ class LiveView:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("train")(train_command)
+    app.command("train", cls=Command)(train_command)

@@ -13,13 +13,14 @@ from typing import List, Optional
 import typer
 
 from orbitctl.cli import output
+from orbitctl.cli.command import Command
 from orbitctl.cli.common import JsonOption, SetOption, overrides
 
 INFER_QUANT_HELP = "Serve the infer path from a copy of the same weights in this format: nf4, fp4, int4, fp8 or bf16."
 
 
 def verify_alignment_command(
-    profile_path: Optional[str] = typer.Argument(None, metavar="[PROFILE]",
+    profile_path: Optional[str] = typer.Argument(None, metavar="PROFILE",
                                                  help="Profile YAML (needed for the internal check and --rollouts)."),
     adapter: Optional[str] = typer.Option(None, "--adapter", help="Adapter directory (default: the run's adapter/)."),
     prompts: Optional[str] = typer.Option(None, "--prompts", help="JSONL prompts (default: the profile's eval data)."),
@@ -148,4 +149,4 @@ def render(report, plot: str | None) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("verify-alignment")(verify_alignment_command)
+    app.command("verify-alignment", cls=Command)(verify_alignment_command)

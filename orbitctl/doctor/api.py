@@ -103,11 +103,11 @@ def diagnose(*, snapshot_path: str | None = None, save_snapshot_path: str | None
     often read on another computer than the one they came from). ``run_dir`` is judged against its
     own profile.yaml, or against ``profile_path`` (with ``overrides``) when one is given.
     """
-    from orbitctl.doctor.registry import NO_GPU
+    from orbitctl.doctor.registry import NO_GPU, NO_GPU_FIX
     from orbitctl.errors import UserError
 
     if overrides and not profile_path:
-        raise UserError("--set needs --profile", fix="orbitctl doctor --profile PROFILE --set KEY=VALUE")
+        raise UserError("--set needs a PROFILE", fix="orbitctl doctor PROFILE --set KEY=VALUE")
     if machine is False:
         if not log and not run_dir:
             raise UserError("--no-machine without --log or --run leaves nothing to check",
@@ -142,9 +142,11 @@ def diagnose(*, snapshot_path: str | None = None, save_snapshot_path: str | None
                 run_active(snap)
         if save_snapshot_path:
             save_snapshot(snap, save_snapshot_path)
-        if not snap.has_gpus and snap.nvml.status in ("no_library", "no_driver", "ok"):
-            report.notes.append(f"{NO_GPU}: GPU checks SKIP ({snap.nvml.detail or 'NVML sees no GPU'})")
         report.findings.extend(run_checks(snap, expect_gpus=expect_gpus, profile=profile, active=active))
+        skipped = report.no_gpu_skips()
+        if skipped:
+            report.notes.append(f"{NO_GPU} ({snap.nvml.detail or 'NVML sees no GPU'}): {len(skipped)} GPU checks "
+                                f"SKIP (--json lists them). {NO_GPU_FIX}")
         from orbitctl.doctor.isa import isa_rows
 
         report.isa = [row.to_dict() for row in isa_rows(snap.host.cpu.isa)]

@@ -6,7 +6,7 @@ import re
 
 from orbitctl.doctor.findings import FAIL, INFO, PASS, SKIP, UNKNOWN, WARN, worst
 from orbitctl.doctor.registry import (
-    NO_GPU, CheckContext, Outcome, check, fail_if, field_unknown, gpu_label, no_gpu_outcome, size_gib,
+    NO_GPU, NO_GPU_FIX, CheckContext, Outcome, check, fail_if, field_unknown, gpu_label, no_gpu_outcome, size_gib,
 )
 from orbitctl.doctor.snapshot import Snapshot
 from orbitctl.doctor.xid import XID_RE, classify_xid
@@ -26,8 +26,9 @@ def env_nvml(s: Snapshot, ctx: CheckContext) -> Outcome:
         return Outcome(PASS, [f"driver {nv.driver_version}{cuda}, {len(nv.gpus)} GPU(s)"])
     gone = no_gpu_outcome(s)
     assert gone is not None
-    gone.fix = gone.fix or ("No NVIDIA GPU visible: on a GPU machine install the driver, or run the container with "
-                            "`--gpus all` (NVIDIA container toolkit)")
+    if gone.status == SKIP:
+        gone.evidence = [f"{NO_GPU} (NVML: {nv.detail or nv.status})"]
+        gone.fix = NO_GPU_FIX
     return gone
 
 

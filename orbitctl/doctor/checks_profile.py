@@ -1,4 +1,4 @@
-"""--profile checks: the profile's hardware against this machine, and the plan for its free memory."""
+"""PROFILE checks: the profile's hardware against this machine, and the plan for its free memory."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def prof_gpu(s: Snapshot, ctx: CheckContext) -> Outcome:
     if here == {spec}:
         return Outcome(PASS, ev)
     known = next((g for g in here if g is not None), None)
-    fix = f"orbitctl doctor --profile PROFILE --set hardware.gpu={known.name}" if known else \
+    fix = f"orbitctl doctor PROFILE --set hardware.gpu={known.name}" if known else \
         "Set hardware.gpu to this machine's model and hardware.gpu_memory_gib to its memory"
     smaller = known is None or known.visible_bytes < spec.visible_bytes
     return Outcome(FAIL if smaller else WARN, ev + ["the plan was made for another GPU"], fix)

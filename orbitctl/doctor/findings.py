@@ -18,6 +18,9 @@ AREAS = ("log", "training run", "GPU", "topology", "NCCL", "memory", "host")
 """Every area a finding can belong to, in the order a report shows them (the log's story first)."""
 BRIEF = (PASS, SKIP)
 """Statuses whose first evidence line says it all; the others show every line."""
+NO_GPU_SKIP = "no_gpu"
+"""``Finding.data["skip_reason"]`` of a check SKIPped because no GPU is visible: a report says that once (its notes
+carry NVML's detail and the fix), not once per check."""
 
 
 @dataclass
@@ -84,11 +87,18 @@ class Report:
     def failed_ids(self) -> list[str]:
         return [f.id for f in self.findings if f.status == FAIL]
 
-    def by_area(self) -> list[tuple[str, list[Finding]]]:
-        """(area, its findings) in AREAS order, areas without findings left out; an area AREAS lacks comes last."""
-        areas = list(AREAS) + sorted({f.area for f in self.findings} - set(AREAS))
-        grouped = [(area, [f for f in self.findings if f.area == area]) for area in areas]
+    def by_area(self, *, without_no_gpu_skips: bool = False) -> list[tuple[str, list[Finding]]]:
+        """(area, its findings) in AREAS order, areas without findings left out; an area AREAS lacks comes last.
+        ``without_no_gpu_skips``: leave out the checks :meth:`no_gpu_skips` lists (a note says it once)."""
+        hidden = {id(f) for f in self.no_gpu_skips()} if without_no_gpu_skips else set()
+        shown = [f for f in self.findings if id(f) not in hidden]
+        areas = list(AREAS) + sorted({f.area for f in shown} - set(AREAS))
+        grouped = [(area, [f for f in shown if f.area == area]) for area in areas]
         return [(area, rows) for area, rows in grouped if rows]
+
+    def no_gpu_skips(self) -> list[Finding]:
+        """The checks SKIPped because no GPU is visible (:data:`NO_GPU_SKIP`, env.nvml among them)."""
+        return [f for f in self.findings if f.status == SKIP and f.data.get("skip_reason") == NO_GPU_SKIP]
 
     def by_id(self, check_id: str) -> Finding | None:
         return next((f for f in self.findings if f.id == check_id), None)

@@ -7,24 +7,14 @@ Linux (5.16+) also makes every process ask for AMX's tile data before its first 
 SIGILL exactly like one the CPU lacks, which is why a crash log's "Illegal instruction" is read next
 to this table (log.host.sigill).
 
-How the OS state is read. Python has no ``xgetbv``, and running one needs a C compiler on the node
-(often absent on GPU nodes) or machine code mapped executable by hand (refused under W^X and SELinux
-``execmem`` policies, and itself SIGILL where the OS left OSXSAVE off). The kernel answers the same
-question without either: ``arch_prctl(ARCH_GET_XCOMP_SUPP)`` returns the user state components it
-enabled, which is the XCR0 it wrote (``fpu__init_cpu_xstate`` does ``xsetbv(XCR0,
-fpu_user_cfg.max_features)``; the same mask is what this call reports). That is reliable wherever it
-exists (x86-64 Linux 5.16+) and is what the table uses. Older kernels answer EINVAL; there the table
-falls back to what /proc/cpuinfo already implies: Linux clears ``avx`` and everything that depends on
-it (avx2, fma, the avx512 family) when XCR0 lacks the YMM state, and ``avx512f`` with its family when
-XCR0 lacks the opmask/ZMM states, so a listed flag means its state is enabled. It does not do so for
-AMX on those kernels (the amx flags stay listed with no way to get permission), so AMX is decided by
-the permission request alone. Every arch_prctl call runs in a child interpreter: a granted request
+How the OS state is read: :mod:`orbitctl.model.cpu_state` (``arch_prctl(ARCH_GET_XCOMP_SUPP)`` for XCR0, the
+tile-data request for AMX; /proc/cpuinfo's flags where the kernel is older than 5.16), the same answers orbitctl's
+own CPU kernels go by. The questions run in a child interpreter (that module run as a script): a granted request
 changes the process that made it, and the doctor's own process must stay as it was.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import platform
 import subprocess
@@ -32,6 +22,8 @@ import sys
 from dataclasses import asdict, dataclass
 
 from orbitctl.doctor.snapshot import Isa, XState
+from orbitctl.model import cpu_state
+from orbitctl.model.cpu_state import STATE, XCR0_AMX, errno_name
 
 ISA_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx512_fp16",
                 "amx_tile", "amx_bf16", "amx_int8")
@@ -39,64 +31,11 @@ ISA_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx51
 TRACKED_FLAGS = ISA_FEATURES + ("avx",)
 """What the snapshot keeps of /proc/cpuinfo's flags: the rows, and avx (whose presence implies the YMM state)."""
 
-ARCH_GET_XCOMP_SUPP, ARCH_GET_XCOMP_PERM, ARCH_REQ_XCOMP_PERM = 0x1021, 0x1022, 0x1023
-XFEATURE_XTILEDATA = 18
-SYS_ARCH_PRCTL_X86_64 = 158
-
-# XCR0 bits: 1 SSE, 2 AVX (YMM upper halves), 5 opmask, 6 ZMM_Hi256, 7 Hi16_ZMM, 17 XTILECFG, 18 XTILEDATA
-XCR0_AVX = (1 << 1) | (1 << 2)
-XCR0_AVX512 = XCR0_AVX | (1 << 5) | (1 << 6) | (1 << 7)
-XCR0_AMX = (1 << 17) | (1 << 18)
-STATE = {"avx": (XCR0_AVX, "the YMM state"), "avx512": (XCR0_AVX512, "the opmask and ZMM states"),
-         "amx": (XCR0_AMX, "the XTILECFG and XTILEDATA states")}
 IMPLIED_BY = {"avx": "avx", "avx512": "avx512f"}
 """The /proc/cpuinfo flag Linux lists only when XCR0 holds the state (the fallback without ARCH_GET_XCOMP_SUPP)."""
 
 ENABLED, GRANTED, REFUSED, DISABLED, UNKNOWN_STATE, NOT_APPLICABLE = (
     "enabled", "granted on request", "refused", "disabled", "unknown", "-")
-AMX_ERRNO = {
-    "EINVAL": "this kernel has no AMX permission call (Linux before 5.16)",
-    "EOPNOTSUPP": "the kernel did not enable the tile state (no AMX, a kernel built without it, or a hypervisor "
-                  "that hides it)",
-    "ENOSPC": "the process's alternate signal stack (sigaltstack) is too small for the tile state",
-    "EPERM": "the call is not allowed here (a seccomp filter)",
-    "ENOSYS": "arch_prctl is blocked here (a seccomp filter)",
-}
-
-# Runs in a child interpreter (-I -S: nothing but the standard library): the request changes the permissions of
-# the process that makes it. Prints one JSON object.
-_XSTATE_SCRIPT = r"""
-import ctypes, json
-libc = ctypes.CDLL(None, use_errno=True)
-syscall = libc.syscall
-syscall.restype = ctypes.c_long
-
-def call(op, arg):
-    ctypes.set_errno(0)
-    rc = syscall(ctypes.c_long(%(nr)d), ctypes.c_long(op), arg)
-    return 0 if rc == 0 else (ctypes.get_errno() or -1)
-
-def read(op):
-    value = ctypes.c_uint64(0)
-    err = call(op, ctypes.byref(value))
-    return (value.value if err == 0 else None), err
-
-out = {}
-out["xcr0"], err = read(%(supp)d)
-out["xcr0_errno"] = err or None
-out["amx_request_errno"] = call(%(req)d, ctypes.c_long(%(tile)d))
-perm, _ = read(%(perm)d)
-out["amx_permitted"] = None if perm is None else bool(perm >> %(tile)d & 1)
-print(json.dumps(out))
-""" % {"nr": SYS_ARCH_PRCTL_X86_64, "supp": ARCH_GET_XCOMP_SUPP, "req": ARCH_REQ_XCOMP_PERM,
-       "perm": ARCH_GET_XCOMP_PERM, "tile": XFEATURE_XTILEDATA}
-
-
-def errno_name(code: int | None) -> str:
-    """The errno's name as the kernel's arch_prctl code says it (95 is EOPNOTSUPP there; Python's table says ENOTSUP)."""
-    if code is not None and code == getattr(errno, "EOPNOTSUPP", None):
-        return "EOPNOTSUPP"
-    return errno.errorcode.get(code or 0, str(code))
 
 
 @dataclass(frozen=True)
@@ -128,11 +67,11 @@ def is_x86(arch: str | None) -> bool:
 
 def probe_xstate(timeout_s: float = 10.0) -> XState:
     """Ask the kernel for XCR0 and for AMX tile permission, in a child process (x86-64 Linux only)."""
-    if not sys.platform.startswith("linux") or platform.machine().lower() not in ("x86_64", "amd64"):
+    if not cpu_state.on_x86_64_linux():
         return XState(status="unsupported", detail=f"arch_prctl is x86-64 Linux only (this is {sys.platform} "
                                                    f"{platform.machine()})")
-    try:
-        proc = subprocess.run([sys.executable, "-I", "-S", "-c", _XSTATE_SCRIPT], capture_output=True, text=True,
+    try:  # the module as a script, in an interpreter with nothing but the standard library (-I -S)
+        proc = subprocess.run([sys.executable, "-I", "-S", cpu_state.__file__], capture_output=True, text=True,
                               timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return XState(status="error", detail=f"the arch_prctl probe did not finish: {exc}")
@@ -198,18 +137,13 @@ def _xcr0_unread(xs: XState) -> str:
 def _amx_row(feature: str, xs: XState, xcr0: int | None) -> IsaRow:
     if xs.status != "ok" or xs.amx_request_errno is None:
         return IsaRow(feature, "present", UNKNOWN_STATE, f"tile permission not asked: {xs.detail or xs.status}")
-    err = xs.amx_request_errno
-    if err == 0 and xs.amx_permitted is not False:
+    answers = cpu_state.KernelAnswers(xs.xcr0, xs.xcr0_errno, xs.amx_request_errno, xs.amx_permitted)
+    detail = cpu_state.amx_request_refusal(answers)
+    if detail is None:
         return IsaRow(feature, "present", GRANTED, "arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) succeeded in a "
                                                    "child process; every process must ask before its first tile "
                                                    "instruction")
-    if err == 0:
-        detail, code = "the request returned 0 but ARCH_GET_XCOMP_PERM lacks XTILEDATA", None
-    else:
-        name = errno_name(err)
-        why = AMX_ERRNO.get(name)
-        detail, code = f"arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) failed: errno {err} ({name})" + \
-            (f": {why}" if why else ""), err
+    code = xs.amx_request_errno or None
     if xcr0 is not None and xcr0 & XCR0_AMX != XCR0_AMX:
         detail += f"; XCR0 {xcr0:#x} lacks {STATE['amx'][1]}"
     return IsaRow(feature, "present", REFUSED, detail, code)

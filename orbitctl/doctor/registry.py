@@ -12,11 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from orbitctl.doctor.findings import FAIL, PASS, SKIP, UNKNOWN, Finding
+from orbitctl.doctor.findings import FAIL, NO_GPU_SKIP, PASS, SKIP, UNKNOWN, Finding
 from orbitctl.doctor.snapshot import Gpu, Snapshot
 from orbitctl.units import gib
 
 NO_GPU = "no NVIDIA driver/GPU found"
+NO_GPU_FIX = ("On a GPU machine install the NVIDIA driver, or run the container with `--gpus all` (NVIDIA container "
+              "toolkit)")
 
 
 @dataclass
@@ -25,7 +27,7 @@ class CheckContext:
 
     expect_gpus: int | None = None
     profile: Any = None
-    """A loaded orbitctl Profile (for --profile), or None."""
+    """A loaded orbitctl Profile (doctor PROFILE), or None."""
     active: bool = False
 
 
@@ -47,7 +49,7 @@ class Check:
     title: str
     fn: CheckFn
     when: str = "always"
-    """always | profile (needs --profile) | active (needs --active)."""
+    """always | profile (needs a PROFILE) | active (needs --active)."""
     min_gpus: int = 0
     """GPUs the body needs; fewer and the registry answers for it (see ``guard``)."""
     too_few: str = ""
@@ -96,12 +98,13 @@ def run_registered(snapshot: Snapshot, ctx: CheckContext) -> list[Finding]:
 
 
 def no_gpu_outcome(s: Snapshot) -> Outcome | None:
-    """SKIP when no GPU is visible, UNKNOWN when NVML could not be asked; None when GPUs are there."""
+    """SKIP when no GPU is visible (marked :data:`NO_GPU_SKIP`; ``env.nvml`` alone carries NVML's detail),
+    UNKNOWN when NVML could not be asked; None when GPUs are there."""
     nv = s.nvml
     if nv.status == "ok" and nv.gpus:
         return None
     if nv.status in ("no_library", "no_driver") or (nv.status == "ok" and not nv.gpus):
-        return Outcome(SKIP, [f"{NO_GPU} (NVML: {nv.detail or nv.status})"])
+        return Outcome(SKIP, [NO_GPU], data={"skip_reason": NO_GPU_SKIP})
     return Outcome(UNKNOWN, [f"NVML could not be read: {nv.detail or nv.status}"],
                    "Run as a user allowed to open /dev/nvidia* (or root), e.g. `sudo orbitctl doctor`")
 

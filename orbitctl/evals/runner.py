@@ -80,14 +80,18 @@ def build_policy(profile, adapter: str | None):
 
     from orbitctl.align.selfcheck import load_adapter_into
     from orbitctl.builder import load_policy, prepare_frozen_base
-    from orbitctl.data.prompts import load_prompts
+    from orbitctl.data.prompts import PromptSplit, load_prompts
+    from orbitctl.rl.envs import env_name
 
     if adapter is not None and not Path(adapter).is_dir():
         raise InputFileError(f"--adapter {adapter}: no such directory",
                              fix="Pass the adapter/ directory of a run (runs/NAME/adapter)")
-    split = load_prompts(profile.data, profile.run.seed)
+    if env_name(profile.data.train) is not None:  # an environment run's base, warm-started as train does
+        warm_task = PromptSplit([], [], None).warm_task
+    else:
+        warm_task = load_prompts(profile.data, profile.run.seed).warm_task
     torch.manual_seed(profile.run.seed)
-    policy = load_policy(profile, prepare_frozen_base(profile, split.warm_task))
+    policy = load_policy(profile, prepare_frozen_base(profile, warm_task))
     if adapter is not None:
         load_adapter_into(policy, Path(adapter), profile.adapter.kind)
     return policy

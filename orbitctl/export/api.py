@@ -52,7 +52,7 @@ class ExportResult:
 
 
 def export(profile_path: str, out: str, fmt: str, *, adapter: str | None = None, overrides: list[str] | None = None,
-           force: bool = False, prompts: int = 8, progress: Progress | None = None) -> ExportResult:
+           fresh: bool = False, prompts: int = 8, progress: Progress | None = None) -> ExportResult:
     """Export the profile's frozen base (and ``adapter``) to ``out`` in ``fmt``; see the module docstring."""
     from orbitctl.export.archs import arch_for
     from orbitctl.export.gguf_lora import read_peft_lora
@@ -68,8 +68,8 @@ def export(profile_path: str, out: str, fmt: str, *, adapter: str | None = None,
     lora = read_peft_lora(adapter) if adapter is not None else None
     target = Path(out)
     occupied = (target.is_dir() and any(target.iterdir())) or target.is_file()
-    if occupied and not force:
-        raise UserError(f"{target}: already exists", fix="remove it, choose another OUT, or pass --force to replace it")
+    if occupied and not fresh:
+        raise UserError(f"{target}: already exists", fix="remove it, choose another OUT, or pass --fresh to replace it")
     started = time.perf_counter()
     policy, base_dir, tok_dir = _prepare(profile, need_policy=fmt == "hf-merged", progress=progress)
     from orbitctl.export.base import QuantizedBase

@@ -6,8 +6,8 @@ come back (``Llama.scores``) and are compared position for position with the tra
 on the CPU quantizes the activations to 8 bits (``Q8_0``), so it is not bit-equal to orbitctl; with
 the adapter left out, the distance to the adapted train path shows what the adapter is worth.
 
-llama.cpp runs in a child process (:func:`orbitctl.export.isolated.run_isolated`): a llama.cpp that dies
-(SIGILL from a build for another CPU, issue 42) raises :class:`~orbitctl.export.isolated.NativeCrash`, one
+llama.cpp runs in a child process (:func:`orbitctl.isolated.run_isolated`): a llama.cpp that dies
+(SIGILL from a build for another CPU, issue 42) raises :class:`~orbitctl.isolated.NativeCrash`, one
 line naming the signal and its cause, and the caller (a test, ``benchmarks/llama_cpp_check.py``) lives on.
 The parent never imports ``llama_cpp``; importing this module imports no torch.
 """
@@ -16,18 +16,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orbitctl.export.isolated import run_isolated
+from orbitctl.isolated import run_isolated
+
+SIGILL_FIX = ("Rebuild llama.cpp for the portable baseline: `make setup` builds llama-cpp-python with GGML_NATIVE=OFF "
+              "(AVX2, FMA, F16C; no AVX-512, no AMX) into its own wheelhouse and installs it (docs/export.md, "
+              "Building llama.cpp); `orbitctl doctor` shows the CPU's ISA and the kernel's AMX state")
+"""What a llama.cpp that died of SIGILL tells the user to do."""
 
 
 def llama_cpp_logits(model_path: str | Path, seqs: list[list[int]], *, lora_path: str | Path | None = None,
                      n_ctx: int = 128, timeout: float | None = 1800) -> list:
     """Per sequence, [len - 1, V] float32 logits (torch tensors) llama.cpp computes predicting tokens 1..len-1.
 
-    Computed in a child process; :class:`~orbitctl.export.isolated.NativeCrash` if llama.cpp dies there."""
+    Computed in a child process; :class:`~orbitctl.isolated.NativeCrash` if llama.cpp dies there."""
     import torch
 
     scores = run_isolated(llama_cpp_scores, str(model_path), seqs, lora_path=None if lora_path is None else str(lora_path),
-                          n_ctx=n_ctx, what="llama.cpp", timeout=timeout)
+                          n_ctx=n_ctx, what="llama.cpp", timeout=timeout, sigill_fix=SIGILL_FIX)
     return [torch.from_numpy(s) for s in scores]
 
 

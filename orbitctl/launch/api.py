@@ -12,7 +12,7 @@ started by :mod:`orbitctl.launch.ranks`; the result is the same :class:`~orbitct
 from __future__ import annotations
 
 from orbitctl.errors import UserError
-from orbitctl.launch.fit import check_machine
+from orbitctl.launch.fit import check_inputs, check_machine
 from orbitctl.launch.ranks import launch_local, launch_nodes, multinode_command, under_launcher
 from orbitctl.rl.api import EventFn, TrainResult, load_train_profile
 
@@ -21,9 +21,13 @@ __all__ = ["TrainResult", "dry_run", "load_train_profile", "train"]
 
 def dry_run(profile):
     """What :func:`train` would build for each rank, worked out without weights, GPUs or ranks
-    (:class:`~orbitctl.launch.dryrun.DryRun`)."""
+    (:class:`~orbitctl.launch.dryrun.DryRun`). Refused (UserError, exit 2) as train refuses the profile, and
+    when the model or a data file train would read is not on this machine (:func:`~orbitctl.launch.fit.check_inputs`)."""
     from orbitctl.launch.dryrun import dry_run as work_out
+    from orbitctl.rl.api import refuse_before_launch
 
+    refuse_before_launch(profile)  # a value train refuses is named before a missing file
+    check_inputs(profile)
     return work_out(profile)
 
 
@@ -42,6 +46,8 @@ def train(profile, *, fresh: bool = False, steps: int | None = None, on_event: E
     if under_launcher():
         return api.train(profile, fresh=fresh, steps=steps, on_event=on_event)
     fit = check_machine(profile)  # before any data, model or process group
+    if hw.nodes == 1:  # the files on this node; a multi-node run's ranks each read their own node's
+        check_inputs(profile)
     if profile.world_size == 1:
         return api.train(profile, fresh=fresh, steps=steps, on_event=on_event)
     api.refuse_before_launch(profile)

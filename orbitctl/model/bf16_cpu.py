@@ -25,8 +25,23 @@ to bf16 for the product with V, float32 accumulation and one rounding.
 The library is compiled at first use (``g++ -O3 -fopenmp``, about a second) into ``$ORBITCTL_CACHE/kernels``
 under a name that hashes the source and the compiler, written under a temporary name and renamed into place. Its
 parallel loops run on the OpenMP runtime torch already loaded (same soname), on ``torch.get_num_threads()``
-threads. Where the CPU lacks AVX512-BF16, a cap (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``) lowers the
-kernels, or there is no compiler, :func:`available` is False and the callers keep PyTorch's kernels.
+threads.
+
+**Which ISA, asked of the CPU and of the OS** (:func:`host_isa`, the rule in :func:`choose_isa`). CPUID's flags are
+not enough: an AVX-512 instruction whose registers the OS did not enable in XCR0, or an AMX tile instruction before
+the kernel granted this process the tile data, raises SIGILL like one the CPU lacks
+(:mod:`orbitctl.model.cpu_state`). So the AVX512-BF16 kernels run only where the CPU has the flags, XCR0 holds the
+opmask and ZMM states, and nothing caps the kernels below them (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``);
+and a compiler built the library, whose first calls ran in a child process once (:func:`first_calls`, through
+:func:`orbitctl.isolated.run_isolated`; a stamp beside the library, keyed by the CPU and XCR0, records it): a
+kernel that dies there is one log line naming the signal and its cause, and this process keeps PyTorch's kernels.
+Where any of that fails, :func:`available` is False and the callers keep PyTorch's kernels.
+
+AMX is asked for where the CPU has AMX-TILE and AMX-BF16: ``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``
+in this process. Granted (and oneDNN not capped below AMX), the INT4 layers' many-row products run oneDNN's bf16
+GEMM over the dequantized weight, which oneDNN then runs on AMX tiles, from fewer rows than on AVX512-BF16
+(:func:`orbitctl.model.quant_linear.dense_rows`); refused, one log line says why and the AVX512-BF16 thresholds hold.
+The kernels in this library use no AMX instruction.
 """
 
 from __future__ import annotations
@@ -38,9 +53,12 @@ import logging
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from orbitctl.model import cpu_state
 
 SOURCE = Path(__file__).with_name("csrc") / "bf16_cpu.cpp"
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
@@ -62,16 +80,58 @@ def unsupported_shape(out_features: int, in_features: int, group_size: int) -> s
     return None
 
 
-def cpu_unsupported() -> str | None:
-    """Why this process may not run the kernel on its CPU (None: it may): a missing instruction set, or a cap."""
+@dataclass(frozen=True)
+class IsaChoice:
+    """What orbitctl's CPU kernels may use in this process, each with why not."""
+
+    avx512_bf16: str | None
+    """Why the AVX512-BF16 kernels may not run here (None: they may)."""
+    amx: str | None
+    """Why many-row bf16 GEMMs do not run on AMX tiles here (None: the CPU has AMX-TILE and AMX-BF16, the kernel
+    granted this process the tile data and nothing caps oneDNN below AMX)."""
+
+
+def choose_isa(flags, answers: cpu_state.KernelAnswers, bf16, env) -> IsaChoice:
+    """The rule: ``flags`` (/proc/cpuinfo's), the kernel's ``answers`` (XCR0, the tile-data request), the bf16
+    verdict (:func:`orbitctl.model.cpu_dtype.host_bf16`: torch's kernel capability and the caps) and ``env`` (the
+    oneDNN cap) -> what may run. A CPUID flag alone never selects an ISA."""
+    from orbitctl.model import cpu_dtype
+
+    missing = [flag for flag in CPU_FLAGS if flag not in flags]
+    avx512 = (f"the CPU lacks {', '.join(missing)}" if missing
+              else cpu_state.avx512_state_missing(flags, answers) or (None if bf16.native else bf16.reason))
+    amx = cpu_state.amx_refusal(flags, answers)
+    if amx is None and not bf16.native:
+        amx = bf16.reason
+    if amx is None and not cpu_dtype.onednn_allows(cpu_dtype.onednn_cap(env), "avx10_1_512_amx"):
+        amx = f"oneDNN is capped below AMX (ONEDNN_MAX_CPU_ISA={cpu_dtype.onednn_cap(env)})"
+    return IsaChoice(avx512, amx)
+
+
+@functools.cache
+def host_isa() -> IsaChoice:
+    """:func:`choose_isa` on this machine, asked once per process: the CPU's flags, XCR0 and (where the CPU has AMX)
+    the tile-data request made by this process; where AMX is not used, one log line says why."""
     from orbitctl.model import cpu_dtype
 
     info = cpu_dtype.read_host_cpu()
-    missing = [flag for flag in CPU_FLAGS if info is None or flag not in info.flags]
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
-    verdict = cpu_dtype.host_bf16()
-    return None if verdict.native else verdict.reason
+    flags = info.flags if info is not None else frozenset()
+    answers = cpu_state.ask_kernel(request_amx=all(flag in flags for flag in cpu_state.AMX_FLAGS))
+    choice = choose_isa(flags, answers, cpu_dtype.host_bf16(), os.environ)
+    if choice.amx is not None:
+        log.info("AMX not used for the INT4 layers' many-row GEMMs (the AVX512-BF16 thresholds hold): %s", choice.amx)
+    return choice
+
+
+def cpu_unsupported() -> str | None:
+    """Why this process may not run the kernel on its CPU (None: it may): a missing instruction set, registers the
+    OS did not enable, or a cap."""
+    return host_isa().avx512_bf16
+
+
+def amx_granted() -> bool:
+    """Whether many-row bf16 GEMMs run on AMX tiles in this process (see :class:`IsaChoice`)."""
+    return host_isa().amx is None
 
 
 def _compiler() -> str | None:
@@ -105,25 +165,86 @@ def build(compiler: str | None = None) -> Path:
     return path
 
 
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.orbitctl_int4_bf16_mm.restype = ctypes.c_int
+    lib.orbitctl_int4_bf16_mm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+    lib.orbitctl_int4_bf16_dequantize.restype = ctypes.c_int
+    lib.orbitctl_int4_bf16_dequantize.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    lib.orbitctl_decode_attention.restype = ctypes.c_int
+    lib.orbitctl_decode_attention.argtypes = (
+        [ctypes.c_void_p] + [ctypes.c_int64] * 2 + ([ctypes.c_void_p] + [ctypes.c_int64] * 3) * 2
+        + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_float])
+    return lib
+
+
+def first_calls(path: str) -> None:
+    """Load the library at ``path`` and call each kernel once on small inputs, raising if one reports a failure:
+    what a child process runs before the first process on a machine loads it (:func:`library`)."""
+    lib = _bind(ctypes.CDLL(path))
+    generator = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (ROWS_PER_BLOCK, CHUNK // 2), generator=generator, dtype=torch.uint8)
+    scales = torch.ones(ROWS_PER_BLOCK, 1)
+    x = torch.randn(3, CHUNK, generator=generator).to(torch.bfloat16)
+    out = torch.empty(3, ROWS_PER_BLOCK, dtype=torch.bfloat16)
+    dense = torch.empty(ROWS_PER_BLOCK, CHUNK, dtype=torch.bfloat16)
+    q = torch.randn(1, 1, 1, CHUNK, generator=generator).to(torch.bfloat16)
+    kv = torch.randn(1, 1, 2, CHUNK, generator=generator).to(torch.bfloat16)
+    attended = torch.empty(1, 1, 1, CHUNK, dtype=torch.bfloat16)
+    failed = [
+        lib.orbitctl_int4_bf16_mm(x.data_ptr(), packed.data_ptr(), scales.data_ptr(), out.data_ptr(), 3,
+                                  ROWS_PER_BLOCK, CHUNK, CHUNK),
+        lib.orbitctl_int4_bf16_dequantize(packed.data_ptr(), scales.data_ptr(), dense.data_ptr(), ROWS_PER_BLOCK,
+                                          CHUNK, CHUNK),
+        lib.orbitctl_decode_attention(q.data_ptr(), q.stride(0), q.stride(1), kv.data_ptr(), kv.stride(0),
+                                      kv.stride(1), kv.stride(2), kv.data_ptr(), kv.stride(0), kv.stride(1),
+                                      kv.stride(2), None, 0, attended.data_ptr(), 1, 1, 1, 2, CHUNK, CHUNK, 1.0)]
+    if any(failed):
+        raise RuntimeError(f"the kernels' first calls reported failures {failed} (int4 mm, dequantize, attention)")
+
+
+def _host_key() -> str:
+    """The CPU and the OS state a library's first calls were tried on: its model, flags and XCR0."""
+    from orbitctl.model import cpu_dtype
+
+    info = cpu_dtype.read_host_cpu()
+    xcr0 = cpu_state.ask_kernel(request_amx=False).xcr0
+    text = f"{info.model if info else None}|{sorted(info.flags) if info else []}|{xcr0}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def first_load_refusal(path: Path) -> str | None:
+    """Why the library at ``path`` may not be loaded here (None: it may): its first calls ran in a child process
+    on this machine before (a stamp beside it), or they run there now; a child that died names the signal."""
+    from orbitctl.errors import OrbitError
+    from orbitctl.isolated import run_isolated
+
+    stamp = path.with_name(f"{path.name}.{_host_key()}.ok")
+    if stamp.exists():
+        return None
+    try:
+        run_isolated(first_calls, str(path), what="orbitctl's AVX512-BF16 kernels (their first calls, in a child)",
+                     timeout=300)
+    except OrbitError as err:  # a crash (NativeCrash: the signal and its cause), or a child that returned nothing
+        return err.render()
+    except Exception as err:  # noqa: BLE001 - a call that reported a failure, raised in the child
+        return f"their first calls failed in a child process: {err}"
+    stamp.touch()
+    return None
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel, built on first use; None (with the reason logged once) where it cannot run here."""
+    """The loaded kernel, built and tried in a child on first use; None (with the reason logged once) where it cannot
+    run here."""
     why = cpu_unsupported()
     if why is None:
         try:
-            lib = ctypes.CDLL(str(build()))
+            path = build()
+            why = first_load_refusal(path)
+            if why is None:
+                return _bind(ctypes.CDLL(str(path)))
         except (OSError, RuntimeError) as err:
             why = f"the kernel did not build or load: {err}"
-        else:
-            lib.orbitctl_int4_bf16_mm.restype = ctypes.c_int
-            lib.orbitctl_int4_bf16_mm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
-            lib.orbitctl_int4_bf16_dequantize.restype = ctypes.c_int
-            lib.orbitctl_int4_bf16_dequantize.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-            lib.orbitctl_decode_attention.restype = ctypes.c_int
-            lib.orbitctl_decode_attention.argtypes = (
-                [ctypes.c_void_p] + [ctypes.c_int64] * 2 + ([ctypes.c_void_p] + [ctypes.c_int64] * 3) * 2
-                + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_float])
-            return lib
     log.info("orbitctl's AVX512-BF16 kernels not used (PyTorch's run instead): %s", why)
     return None
 

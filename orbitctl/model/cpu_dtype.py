@@ -101,7 +101,8 @@ def onednn_cap(env: Mapping[str, str]) -> str | None:
     return None if value in ONEDNN_UNCAPPED else value
 
 
-def _onednn_allows(cap: str | None, isa: str) -> bool:
+def onednn_allows(cap: str | None, isa: str) -> bool:
+    """Whether oneDNN under the ``cap`` (:func:`onednn_cap`) may use its ISA ``isa`` (its names, :data:`ONEDNN_ISAS`)."""
     if cap is None:
         return True
     cap = ONEDNN_ALIASES.get(cap, cap)
@@ -131,7 +132,7 @@ def bf16_verdict(flags: frozenset[str] | set[str], kernel_capability: str | None
             capped.append(f"ATEN_CPU_CAPABILITY={env['ATEN_CPU_CAPABILITY']}")
     cap = onednn_cap(env)
     needed = "avx512_core_bf16" if "avx512_bf16" in flags else "avx512_core_amx"
-    if not _onednn_allows(cap, needed):
+    if not onednn_allows(cap, needed):
         name = "ONEDNN_MAX_CPU_ISA" if env.get("ONEDNN_MAX_CPU_ISA") else "DNNL_MAX_CPU_ISA"
         capped.append(f"{name}={env[name]}")
     have = " and ".join(f.upper().replace("_", "-") for f in present)

@@ -17,6 +17,10 @@ dtype. The kernel takes bf16 scales: a layer whose stored scales are not bf16 (a
 fp16 scales) is split into two bf16 terms, scale = hi + lo exactly, and runs the kernel twice. Each
 output row depends only on its own input row (bit for bit, whatever the number of rows), so the
 infer path's one-token decode and the train path's full-sequence forward compute the same function.
+That holds for the kernel. On a CPU with native bf16, whole sequences of weights exact in bf16 take a
+bf16 GEMM over the dequantized weight instead (:func:`orbitctl.model.quant_linear.dense_gemm_applies`):
+the same products summed in another order, and where the GEMM runs on AMX tiles its rows may also round
+by the number of rows beside them (see :mod:`orbitctl.model.quant_linear`).
 
 Only the forward is fused: the gradient of the input uses the dequantized weight (the reference
 path), the weight being frozen. The float32 and float16 variants of the CPU kernel are scalar
@@ -74,7 +78,13 @@ def cuda_kernel_available() -> bool:
 def rows_are_independent(device_type: str = "cpu") -> bool:
     """Probe once per process and device type: the kernel's rows of a many-row product equal the rows computed alone
     and in small batches. The infer and train paths agree at the floor only if this holds (a kernel that switched to
-    a blocked algorithm for many rows would round differently); where it does not, ``quant.kernel: auto`` dequantizes."""
+    a blocked algorithm for many rows would round differently); where it does not, ``quant.kernel: auto`` dequantizes.
+
+    It probes the kernel (:meth:`Int4Pack.matmul`), what the decode steps run. The bf16 GEMM that whole sequences
+    take on a CPU with native bf16 is not probed: on AMX tiles oneDNN's blocking may round a row by the rows beside
+    it, and dequantizing would not change that (the reference path runs the same GEMM). There the prefill and the
+    train path's forward of the same tokens agree to a bf16 step per layer, not bit for bit, and verify-alignment's
+    floor (measured beside every comparison) shows it."""
     from orbitctl.codec.formats import round_scales
 
     generator = torch.Generator().manual_seed(0)

@@ -247,7 +247,8 @@ class Policy:
                 stepper = StaticDecode(self.model, self._cache_kw, cache, mask, next_pos, max_new_tokens - 1,
                                        capture=device.type == "cuda", routing=self.routing)
             finished = torch.zeros(batch, dtype=torch.bool, device=device)
-            tokens, logps, keep, dists, raw, hidden = [], [], [], [], [], []
+            tokens, logps, keep, raw, hidden = [], [], [], [], []
+            dist = None  # keep_dist: [batch, max_new_tokens, V], each step written in place (no stacked copy)
             for step in range(max_new_tokens):
                 scaled = logits.float() / (temperature if temperature > 0 else 1.0)
                 if keep_logits:
@@ -263,7 +264,9 @@ class Policy:
                 logps.append(logdist.gather(-1, token[:, None]).squeeze(-1) * alive)
                 keep.append(alive.long())
                 if keep_dist:
-                    dists.append(logdist)
+                    if dist is None:
+                        dist = logdist.new_empty(batch, max_new_tokens, logdist.shape[-1])
+                    dist[:, step] = logdist
                 finished = finished | (token == self.eos_id)
                 if forced is not None:  # done where no forced token is left (an empty slice: all done)
                     finished = ~forced_mask[:, step + 1:].bool().any(-1)
@@ -287,8 +290,9 @@ class Policy:
         if self.routing is not None:
             routes = self.routing.take(batch, len(tokens), kept) if self.routing.mode == "record" and tokens else None
             self.routing.off()
-        return Samples(prompt_ids.cpu(), prompt_mask.cpu(), host(tokens), kept, host(logps), host(dists),
-                       host(raw), host(hidden), routes, prompt_routes)
+        return Samples(prompt_ids.cpu(), prompt_mask.cpu(), host(tokens), kept, host(logps),
+                       dist[:, :len(tokens)].cpu() if dist is not None else None, host(raw), host(hidden), routes,
+                       prompt_routes)
 
     def _prefill(self, prompt_ids, mask, fresh, *, keep_hidden: bool = False):
         """One forward over left-padded prompts: ``(output, cache, last logits [B, V], prompt routes [B, P, L, k] or
@@ -348,8 +352,7 @@ class Policy:
         tokens: list[list[int]] = [[] for _ in range(total)]
         kept: list[list[int]] = [[] for _ in range(total)]
         logps: list[list[float]] = [[] for _ in range(total)]
-        dists: list[list] = [[] for _ in range(total)]
-        raws: list[list] = [[] for _ in range(total)]
+        dist = raw = None  # keep_dist / keep_logits: [total, max_new_tokens, V], each row's step written in place
         fed_routes: list[list] = [[] for _ in range(total)]
         prompt_routes = None if routing is None else torch.full(
             (total, width, routing.layers, routing.top_k), NOT_RECORDED, dtype=ROUTE_DTYPE)
@@ -392,6 +395,10 @@ class Policy:
                     token = torch.where(alive.to(device), token, torch.full_like(token, self.pad_id))
                     logp = logdist.gather(-1, token[:, None]).squeeze(-1).cpu() * alive
                     chosen = token.cpu().tolist()
+                    if keep_dist and dist is None:
+                        dist = torch.zeros(total, max_new_tokens, logdist.shape[-1])
+                    if keep_logits and raw is None:
+                        raw = torch.zeros(total, max_new_tokens, scaled.shape[-1])
                     host_dist = logdist.cpu() if keep_dist else None
                     host_raw = scaled.cpu() if keep_logits else None
                     going = []
@@ -400,9 +407,9 @@ class Policy:
                         kept[r].append(int(alive[i]))
                         logps[r].append(float(logp[i]))
                         if keep_dist:
-                            dists[r].append(host_dist[i])
+                            dist[r, t] = host_dist[i]
                         if keep_logits:
-                            raws[r].append(host_raw[i])
+                            raw[r, t] = host_raw[i]
                         ended = t + 1 >= max_new_tokens or (
                             not forced_mask[r, t + 1:].any() if forced is not None else chosen[i] == self.eos_id)
                         if not ended:
@@ -431,9 +438,8 @@ class Policy:
                     self.model(input_ids=ids.to(device), attention_mask=m.to(device), use_cache=False)
         if routing is not None:
             routing.off()
-        return _stream_samples(prompt_ids, prompt_mask, tokens, kept, logps, dists if keep_dist else None,
-                               raws if keep_logits else None, fed_routes if routing is not None else None,
-                               prompt_routes, self.pad_id)
+        return _stream_samples(prompt_ids, prompt_mask, tokens, kept, logps, dist, raw,
+                               fed_routes if routing is not None else None, prompt_routes, self.pad_id)
 
     ADMIT_SHARE = 4
     """:meth:`sample_stream` admits waiting rows once 1/ADMIT_SHARE of its slots are free."""
@@ -523,9 +529,10 @@ def _pad_columns(mask, length: int):
     return mask if missing <= 0 else torch.cat([mask.new_zeros((mask.shape[0], missing)), mask], dim=1)
 
 
-def _stream_samples(prompt_ids, prompt_mask, tokens, kept, logps, dists, raws, fed_routes, prompt_routes,
+def _stream_samples(prompt_ids, prompt_mask, tokens, kept, logps, dist, raw, fed_routes, prompt_routes,
                     pad_id: int) -> Samples:
-    """:class:`Samples` of :meth:`Policy.sample_stream`'s per-row lists, right-padded to the longest row."""
+    """:class:`Samples` of :meth:`Policy.sample_stream`'s per-row lists, right-padded to the longest row; ``dist`` and
+    ``raw`` ([rows, max_new_tokens, V], written as the rows decoded, or None) narrowed to it."""
     import torch
 
     from orbitctl.model.router_replay import NOT_RECORDED, ROUTE_DTYPE
@@ -534,11 +541,8 @@ def _stream_samples(prompt_ids, prompt_mask, tokens, kept, logps, dists, raws, f
     ids = torch.full((total, width), pad_id, dtype=torch.long)
     mask = torch.zeros((total, width), dtype=torch.long)
     logprobs = torch.zeros((total, width))
-    dist = raw = routes = None
-    if dists is not None or raws is not None:
-        vocab = next((len(v[0]) for v in (dists or raws) if v), 0)
-        dist = torch.zeros((total, width, vocab)) if dists is not None else None
-        raw = torch.zeros((total, width, vocab)) if raws is not None else None
+    dist, raw = (t[:, :width] if t is not None else None for t in (dist, raw))
+    routes = None
     if fed_routes is not None:
         layers, k = prompt_routes.shape[2:]
         routes = torch.full((total, width, layers, k), NOT_RECORDED, dtype=ROUTE_DTYPE)
@@ -547,10 +551,6 @@ def _stream_samples(prompt_ids, prompt_mask, tokens, kept, logps, dists, raws, f
         ids[r, :n] = torch.tensor(tokens[r], dtype=torch.long)
         mask[r, :n] = torch.tensor(kept[r], dtype=torch.long)
         logprobs[r, :n] = torch.tensor(logps[r])
-        if dist is not None and n:
-            dist[r, :n] = torch.stack(dists[r])
-        if raw is not None and n:
-            raw[r, :n] = torch.stack(raws[r])
         if routes is not None and fed_routes[r]:
             fed = torch.stack(fed_routes[r]).to(ROUTE_DTYPE)
             routes[r, :len(fed)] = fed.masked_fill(~mask[r, :len(fed)].bool()[:, None, None], NOT_RECORDED)

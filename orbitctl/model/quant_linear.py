@@ -37,6 +37,17 @@ On such a CPU (AVX512-BF16, uncapped, the library built) a layer exact in bf16 h
 (:mod:`orbitctl.model.bf16_cpu`): its decode runs orbitctl's INT4 kernel (bf16 dot products, at the bf16 GEMM's
 rate), and its dense weight for the whole-sequence GEMM and the backward comes from that pack's one-pass
 dequantizer straight into the bf16 workspace (the same values as the float32 route, 26x faster).
+
+Where the kernel granted this process AMX's tile data (:func:`orbitctl.model.bf16_cpu.amx_granted`), oneDNN runs
+that GEMM on AMX tiles (``tdpbf16ps``: the same exact products, float32 accumulation, one rounding), and an input
+without a positions axis takes it from :data:`DENSE_ROWS_AMX` rows. What no longer holds there: a blocked AMX GEMM
+picks its blocking, and for few rows its kernel, by the number of rows, so a row's result may differ by a bf16 step
+with the rows beside it (a prompt prefilled for its group against the same prompt in a batch). The decode steps'
+kernel keeps every row independent (:func:`~orbitctl.model.int4_kernel.rows_are_independent` probes that kernel,
+and ``quant.kernel: auto`` fuses on it); a forward and its recompute have the same rows and agree bit for bit. The
+infer path's prefill and the train path's forward of the same tokens then agree to a bf16 step per layer, not bit
+for bit, as every other bf16 matmul there does (dequantizing would not restore it: its GEMM is the same oneDNN
+call); ``verify-alignment`` measures that as the kernel floor beside every comparison.
 """
 
 from __future__ import annotations
@@ -107,22 +118,35 @@ def _kernel_input(x: torch.Tensor) -> bool:
 
 DENSE_ROWS = 256
 """Rows from which a fused INT4 layer with weights exact in bf16 runs one bf16 GEMM instead of the kernel on an
-input without a positions axis (a routed expert's rows; :func:`dense_gemm_applies`). Measured on two AVX512-BF16
-cores, a 4096 x 768 weight: the dequantization costs about as much as the kernel's extra time over a bf16 GEMM
-at 128 rows, 1.44x the kernel's speed at 256, 2.18x at 3,584."""
+input without a positions axis (a routed expert's rows; :func:`dense_gemm_applies`) on an AVX512-BF16 CPU. Measured
+on two AVX512-BF16 cores, a 4096 x 768 weight: the dequantization costs about as much as the kernel's extra time over
+a bf16 GEMM at 128 rows, 1.44x the kernel's speed at 256, 2.18x at 3,584."""
+DENSE_ROWS_AMX = 64
+"""The same where the GEMM runs on AMX tiles (:func:`orbitctl.model.bf16_cpu.amx_granted`). Not measured here (no
+AMX machine at hand); the reasoning: the one-pass dequantization of a 4096 x 768 weight (0.08 ms) costs what about 8
+rows cost in orbitctl's AVX512-BF16 kernel (335-361 GFLOP/s on two cores), and an AMX GEMM at any rate above the
+kernel's wins that back over some tens of rows; 64 leaves room for a GEMM at twice the kernel's rate."""
+
+
+def dense_rows() -> int:
+    """:data:`DENSE_ROWS_AMX` where many-row bf16 GEMMs run on AMX tiles in this process, else :data:`DENSE_ROWS`."""
+    from orbitctl.model import bf16_cpu
+
+    return DENSE_ROWS_AMX if bf16_cpu.amx_granted() else DENSE_ROWS
 
 
 def dense_gemm_applies(x: torch.Tensor, in_features: int) -> bool:
     """Whether ``x`` goes through the dequantized bf16 GEMM rather than the fused kernel, on a CPU whose bf16 matmuls
-    are native (not under the AVX2 cap; a GPU keeps its kernel): a forward over whole sequences (``[batch, positions, features]`` with more
-    than one position: a prefill, the train path and its recompute), never a decode step (one position); an input
-    without a positions axis from :data:`DENSE_ROWS` rows.
+    are native (not under the AVX2 cap; a GPU keeps its kernel): a forward over whole sequences (``[batch, positions,
+    features]`` with more than one position: a prefill, the train path and its recompute), never a decode step (one
+    position); an input without a positions axis from :func:`dense_rows` rows (fewer where the GEMM runs on AMX).
 
     Decided by the forward's kind rather than its row count, so that a prompt prefilled once for its group and the
     same prompt prefilled in a batch of 32 (transformers' ``generate``) take the same path, and so do a forward and
     its recompute."""
-    many = x.shape[-2] > 1 if x.dim() >= 3 else x.numel() >= DENSE_ROWS * in_features
-    return many and x.device.type == "cpu" and cpu_dtype.host_bf16().native
+    if x.device.type != "cpu" or not cpu_dtype.host_bf16().native:
+        return False
+    return x.shape[-2] > 1 if x.dim() >= 3 else x.numel() >= dense_rows() * in_features
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:

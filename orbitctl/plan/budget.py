@@ -123,9 +123,18 @@ KEYED_DRAW_BYTES = 8 + 8
 made where the probabilities are on a CPU rank; a GPU rank makes the copy on the device and sums on the host."""
 
 
+def sampling_bytes(profile, arch: ArchSpec, seqs: int) -> float:
+    """What a decode step's sampling holds over the vocabulary for ``seqs`` sequences: the output layer's ``[seqs,
+    V]`` in the compute dtype and :data:`SAMPLE_FP32_BYTES` + :data:`KEYED_DRAW_BYTES` per entry (the kept infer
+    distribution, written in place step by step, is :func:`kept_dist_bytes`'s)."""
+    on_cpu = profile.hardware.gpu == "cpu"
+    per_entry = compute_dtype_bytes(profile) + SAMPLE_FP32_BYTES + (KEYED_DRAW_BYTES if on_cpu else 8)
+    return float(seqs * arch.vocab_size * per_entry)
+
+
 def _rollout_working(profile, arch: ArchSpec, seqs: int) -> float:
-    """No-grad prefill of the prompts (one layer's intermediates) plus sampling logits: the output layer's
-    ``[seqs, V]`` in the compute dtype and :data:`SAMPLE_FP32_BYTES` + :data:`KEYED_DRAW_BYTES` per entry."""
+    """No-grad prefill of the prompts (one layer's intermediates) plus a decode step's sampling
+    (:func:`sampling_bytes`)."""
     tokens = seqs * prompt_tokens(profile)
     if profile.rollout.engine == "separate":
         tokens = min(tokens, VLLM_PREFILL_TOKENS * profile.rollout.engine_tp)
@@ -133,9 +142,7 @@ def _rollout_working(profile, arch: ArchSpec, seqs: int) -> float:
     width = max(arch.intermediate_size if arch.moe_layers < arch.num_layers else 0,
                 arch.experts_per_token * arch.moe_intermediate_size + arch.shared_intermediate_size)
     per_token = 4 * h + 6 * width + 4 * arch.num_heads * max(arch.head_dim, arch.v_head_dim or 0)
-    on_cpu = profile.hardware.gpu == "cpu"
-    sampling = compute_dtype_bytes(profile) + SAMPLE_FP32_BYTES + (KEYED_DRAW_BYTES if on_cpu else 8)
-    return float(tokens * per_token + seqs * arch.vocab_size * sampling)
+    return float(tokens * per_token) + sampling_bytes(profile, arch, seqs)
 
 
 def completion_positions(profile) -> int:

@@ -17,7 +17,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from orbitctl.profile.gpus import gpu_names, resolve_gpu
+from orbitctl.profile.gpus import resolve_gpu, unknown_gpu_message
 from orbitctl.units import GiB
 
 
@@ -94,7 +94,7 @@ class ModelSection(Section):
 
 class HardwareSection(Section):
     gpu: str = "h200"
-    """GPU model from the catalog: a100-80g, h100-80g, h200, b200, mi300x, rtx4090, rtx3090, l40s, cpu."""
+    """GPU model from the catalog: a100-40g, a100-80g, h100-80g (SXM), h100-pcie, h100-nvl, h800, h20, h200, b200, mi300x, l4, a10g, l40s, rtx6000-ada, rtx4090, rtx3090, cpu; another card: the closest of them plus gpu_memory_gib."""
     gpus_per_node: int = Field(8, ge=1, le=16)
     """GPUs used on the node (ranks per node)."""
     nodes: int = Field(1, ge=1, le=1024)
@@ -105,6 +105,21 @@ class HardwareSection(Section):
     """Override the catalog's per-GPU memory (GiB), e.g. with the free memory seen right now."""
     price_per_gpu_hour: float | None = Field(None, ge=0)
     """USD per GPU-hour (optional): `orbitctl plan` prices a step and the run with it; unset gives GPU-hours only."""
+    calibration: str | None = None
+    """A calibration file (``orbitctl plan PROFILE --calibrate``): rates measured on this GPU kind, used by the time
+    model instead of the published ones (docs/plan.md, "Calibration"). Checked when the profile loads."""
+
+    @field_validator("calibration")
+    @classmethod
+    def _calibration_file(cls, value: str | None) -> str | None:
+        if value is not None:
+            from orbitctl.profile.calibration import read_calibration
+
+            try:
+                read_calibration(value)
+            except ValueError as err:  # missing, unreadable or malformed
+                raise ValueError(f"the calibration file {err}") from None
+        return value
 
     def memory_bytes(self) -> int:
         """Per-GPU memory the plan budgets from: ``gpu_memory_gib`` when set, else the catalog's visible bytes."""
@@ -117,11 +132,7 @@ class HardwareSection(Section):
     def _known_gpu(cls, value: str) -> str:
         spec = resolve_gpu(value)
         if spec is None:
-            import difflib
-
-            close = difflib.get_close_matches(value.lower(), gpu_names(), n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else f"; known: {', '.join(gpu_names())}"
-            raise ValueError(f"unknown GPU '{value}'{hint}")
+            raise ValueError(unknown_gpu_message(value))
         return spec.name
 
 
@@ -469,6 +480,16 @@ class RunSection(Section):
     """Steps between live-view updates."""
     eval_every: int = Field(50, ge=1)
     """Steps between held-out greedy evaluations."""
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list)
+    """Experiment trackers train also sends each step's metrics to, offline, inside the run directory: tensorboard (event files), wandb (an offline run), mlflow (a local SQLite store); each needs its package (pip install 'orbitctl[loggers]')."""
+
+    @field_validator("loggers")
+    @classmethod
+    def _each_logger_once(cls, value: list[str]) -> list[str]:
+        twice = sorted({name for name in value if value.count(name) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} listed more than once; name each logger once")
+        return value
 
 
 class Profile(Section):

@@ -24,9 +24,11 @@ VERIFY_INTERNAL = "verify-alignment"
 VERIFY_ROLLOUTS = "verify-alignment --rollouts"
 QUANTIZE = "quantize"
 EVAL = "eval"
+EVAL_EPISODES = "eval --suite env:NAME"
+"""eval playing an environment's held-out episodes: multi-turn by design, so the single-completion rules stay off."""
 SERVE = "serve"
-COMMANDS = (TRAIN, VERIFY_INTERNAL, VERIFY_ROLLOUTS, QUANTIZE, EVAL, SERVE)
-_MODEL_RUNNING = (TRAIN, VERIFY_INTERNAL, VERIFY_ROLLOUTS, EVAL, SERVE)
+COMMANDS = (TRAIN, VERIFY_INTERNAL, VERIFY_ROLLOUTS, QUANTIZE, EVAL, EVAL_EPISODES, SERVE)
+_MODEL_RUNNING = (TRAIN, VERIFY_INTERNAL, VERIFY_ROLLOUTS, EVAL, EVAL_EPISODES, SERVE)
 _SAMPLING = (EVAL, SERVE)
 """Commands that sample from orbitctl's own infer path, one completion per prompt."""
 
@@ -86,7 +88,7 @@ _RULES: tuple[_Rule, ...] = (
           "plays episodes of several turns, and this command samples single completions",
           "set rollout.max_turns: 1 for this command; verify-alignment --run RUN_DIR reads an episode run's "
           "metrics"),
-    _Rule("rollout.engine", (EVAL,), lambda v, p: v != "shared",
+    _Rule("rollout.engine", (EVAL, EVAL_EPISODES), lambda v, p: v != "shared",
           "is not what this command samples from: it runs orbitctl's own infer path",
           "set rollout.engine: shared, or grade the engine's own output with orbitctl eval --completions FILE"),
     _Rule("rollout.engine", (SERVE,), lambda v, p: v == "separate",
@@ -158,6 +160,13 @@ _WHY_FIXED = {
     "none": "format none quantizes nothing",
 }
 QUANT_FIELDS = ("format", "group_size", "double_quant", "compute_dtype", "storage_dtype", "modules", "skip")
+LOGGER_MODULES: dict[str, tuple[str, ...]] = {
+    "tensorboard": ("tensorboard",),
+    "wandb": ("wandb",),
+    "mlflow": ("mlflow", "sqlalchemy", "alembic"),
+}
+"""The modules each ``run.loggers`` entry imports: TensorBoard's event writer needs the tensorboard package, MLflow's
+local SQLite store SQLAlchemy and Alembic beside mlflow (or mlflow-skinny)."""
 
 
 def show_value(value: Any) -> str:
@@ -236,6 +245,8 @@ def unsupported_for(command: str, profile, given: Iterable[str] = ()) -> list[Un
     found += moot_quant_keys(profile.quant, given_quant)
     if command in _MODEL_RUNNING:
         found += _base_mismatch(profile)
+    if command == TRAIN:
+        found += _missing_loggers(profile.run.loggers)
     return found
 
 
@@ -272,6 +283,27 @@ def _lookup(profile, key: str) -> Any:
     for part in key.split("."):
         node = getattr(node, part)
     return node
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported here, found without importing it."""
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _missing_loggers(loggers: list[str]) -> list[Unsupported]:
+    """One refusal per ``run.loggers`` entry whose package is not installed, naming the package."""
+    found = []
+    for name in loggers:
+        missing = [module for module in LOGGER_MODULES[name] if not _installed(module)]
+        if missing:
+            what = f"the package {missing[0]} is" if len(missing) == 1 else f"the packages {', '.join(missing)} are"
+            pronoun = "it" if len(missing) == 1 else "them"
+            found.append(Unsupported("run.loggers", loggers, f"sends the step metrics to {name}, and {what} not installed",
+                                     f"install {pronoun} (pip install 'orbitctl[loggers]'), or remove {name} from "
+                                     "run.loggers"))
+    return found
 
 
 def _base_mismatch(profile) -> list[Unsupported]:

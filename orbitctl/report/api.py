@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from orbitctl.errors import UserError
-from orbitctl.report.figures import FIGURES, save
+from orbitctl.report.figures import figures_for, save
 from orbitctl.report.markdown import render_markdown
 from orbitctl.report.runs import ReportRun, load_runs
 from orbitctl.report.summary import run_summary
@@ -78,19 +78,21 @@ def write_report(run_dirs: list[str | Path], out: str | Path | None = None, *,
     say(f"read {', '.join(f'{run.label} ({len(run.records)} steps)' for run in runs)}")
     document = build_summary(runs)
 
+    figures = figures_for(runs)
+
     def fill(tmp: Path) -> list[str]:
         names = []
-        for name, caption, draw in FIGURES:
+        for name, caption, draw in figures:
             say(f"drawing {name} ({caption})")
             save(draw(runs), tmp / name)
             names.append(name)
         atomic_write_json(tmp / "summary.json", {**document, "figures": names}, fsync=False)
-        atomic_write_text(tmp / "summary.md", render_markdown(document, [(n, c) for n, c, _ in FIGURES]), fsync=False)
+        atomic_write_text(tmp / "summary.md", render_markdown(document, [(n, c) for n, c, _ in figures]), fsync=False)
         return names + ["summary.json", "summary.md"]
 
     files = atomic_dir(target, fill, replace=True)
     say(f"report written to {target}")
-    return Report(target, {**document, "figures": files[:len(FIGURES)]}, files)
+    return Report(target, {**document, "figures": files[:len(figures)]}, files)
 
 
 def build_summary(runs: list[ReportRun]) -> dict:

@@ -143,25 +143,29 @@ def draw_reward(runs: list[ReportRun]):
         _legend(left)
     else:
         _not_logged(left, "reward_mean")
+    _accuracy_panel(right, runs, "accuracy: rollouts and held-out evaluation", "accuracy")
+    fig.tight_layout()
+    return fig
+
+
+def _accuracy_panel(ax, runs: list[ReportRun], title: str, ylabel: str) -> None:
+    """Rollout ``accuracy`` (thin) and held-out greedy ``eval_accuracy`` (markers) of every run, as a share."""
     drawn = False
     for i, run in enumerate(runs):
         rollouts, held_out = run.series("accuracy"), run.eval_series()
         if rollouts:
-            right.plot(*_unzip(rollouts), color=_colour(i), lw=1.0, alpha=0.55, label=f"{run.label}: rollouts")
+            ax.plot(*_unzip(rollouts), color=_colour(i), lw=1.0, alpha=0.55, label=f"{run.label}: rollouts")
         if held_out:
-            right.plot(*_unzip(held_out), color=_colour(i), lw=2.0, marker=MARKERS[i % len(MARKERS)], ms=6,
-                       mfc="white" if i else _colour(i),
-                       label=f"{run.label}: held-out greedy")
+            ax.plot(*_unzip(held_out), color=_colour(i), lw=2.0, marker=MARKERS[i % len(MARKERS)], ms=6,
+                    mfc="white" if i else _colour(i), label=f"{run.label}: held-out greedy")
         drawn = drawn or bool(rollouts or held_out)
     if drawn:
-        _style(right, "accuracy: rollouts and held-out evaluation", "accuracy")
-        right.set_ylim(-0.03, 1.03)
-        _percent(right)
-        _legend(right)
+        _style(ax, title, ylabel)
+        ax.set_ylim(-0.03, 1.03)
+        _percent(ax)
+        _legend(ax)
     else:
-        _not_logged(right, "accuracy and eval_accuracy")
-    fig.tight_layout()
-    return fig
+        _not_logged(ax, "accuracy and eval_accuracy")
 
 
 def draw_entropy(runs: list[ReportRun]):
@@ -338,6 +342,35 @@ def draw_memory(runs: list[ReportRun]):
     return fig
 
 
+def played_episodes(run: ReportRun) -> bool:
+    """The run trained on an environment's episodes (``data.train: env:NAME``)."""
+    return str(getattr(getattr(run.profile, "data", None), "train", "")).startswith("env:")
+
+
+def draw_episodes(runs: list[ReportRun]):
+    """Completion rate (rollouts and held-out greedy) and the share of well-formed tool calls."""
+    fig, (left, right) = _panels(2, title="episodes: completion and tool calls")
+    _accuracy_panel(left, runs, "completion rate: rollouts and held-out seeds", "episodes completed")
+    drawn = False
+    for i, run in enumerate(runs):
+        for name, what, marker in (("tool_call_valid_rate", "rollouts", None),
+                                   ("eval_tool_call_valid_rate", "held-out greedy", "o")):
+            series = run.series(name)
+            if series:
+                right.plot(*_unzip(series), color=_colour(i), lw=2.0 if marker else 1.4, marker=marker,
+                           label=f"{run.label}: {what}")
+                drawn = True
+    if drawn:
+        _style(right, "tool calls that were well-formed", "valid calls / actions")
+        right.set_ylim(-0.03, 1.03)
+        _percent(right)
+        _legend(right)
+    else:
+        _not_logged(right, "tool_call_valid_rate")
+    fig.tight_layout()
+    return fig
+
+
 FIGURES: tuple[tuple[str, str, Callable], ...] = (
     ("reward.png", "reward and accuracy", draw_reward),
     ("entropy.png", "entropy stability", draw_entropy),
@@ -347,6 +380,17 @@ FIGURES: tuple[tuple[str, str, Callable], ...] = (
     ("memory.png", "memory per phase against the plan", draw_memory),
 )
 """File name, caption and drawing function of every figure, in the order the report shows them."""
+EPISODE_FIGURES: tuple[tuple[str, str, Callable], ...] = (
+    ("episodes.png", "episodes: completion rate and tool-call validity", draw_episodes),
+)
+"""Drawn after :data:`FIGURES` when a run played an environment's episodes."""
+
+
+def figures_for(runs: list[ReportRun]) -> tuple[tuple[str, str, Callable], ...]:
+    """The figures a report of ``runs`` draws: every one of :data:`FIGURES`, and the episode figures when a run
+    played episodes or logged tool calls."""
+    episodes = any(played_episodes(run) or run.series("tool_call_valid_rate") for run in runs)
+    return FIGURES + (EPISODE_FIGURES if episodes else ())
 
 
 def save(fig, path) -> None:

@@ -9,6 +9,13 @@ own tokens only, so the losses, the IS correction and the mismatch metrics never
 tokens, while ``completion_attention`` (1 on both) lets the train path's forward read them as context.
 The reward of every row is its episode's return.
 
+Under ``data.chat_template`` an episode is a conversation in the model's own chat template
+(:mod:`orbitctl.rl.chat_turns`): an action is an assistant turn that ends at the EOS, the environment's answer a
+``tool`` turn after a tool call or a user turn, each turn's tokens appended once and never rendered again, so the
+completion holds exactly the tokens the sampler read and drew. In an environment with tools each action is read as
+a tool call (:mod:`orbitctl.rl.envs.tools`); a malformed one is answered with its error and counted
+(``tool_call_valid_rate``).
+
 Each turn re-reads the whole context on the infer path (no KV cache across turns), so each action's
 log-probs come from the same tokens at the same positions as the train path's full-sequence forward.
 Draws are keyed per (episode, turn): row ``r`` (position ``p``, group index ``g``: ``r = p*G + g``)
@@ -21,7 +28,9 @@ import functools
 import time
 from dataclasses import dataclass, field
 
+from orbitctl.rl.chat_turns import ChatTurns
 from orbitctl.rl.envs import Environment, EpisodeItem
+from orbitctl.rl.envs.tools import ToolCallError, parse_tool_call
 from orbitctl.rl.rollout import RolloutBatch, lockstep_chunks
 
 
@@ -41,6 +50,11 @@ class Episode:
     ret: float = 0.0
     done: bool = False
     turns: int = 0
+    chat: ChatTurns | None = None
+    """How turns are rendered under the chat template; None: plain text."""
+    calls: int = 0
+    """Actions read as tool calls (tool environments)."""
+    valid_calls: int = 0
 
 
 @functools.lru_cache(maxsize=4)
@@ -70,9 +84,10 @@ def _context_batch(episodes: list[Episode], pad: int):
     return ids, mask
 
 
-def _action(policy, ids: list[int], logps: list[float]) -> tuple[list[int], list[float]]:
-    """The sampled tokens up to and including the first newline or EOS."""
-    stops = _newline_ids(policy.tokenizer) | {policy.eos_id}
+def _action(policy, ids: list[int], logps: list[float], chat: bool) -> tuple[list[int], list[float]]:
+    """The sampled tokens up to and including the first EOS, or the first newline in a plain-text episode (a chat
+    turn, a tool call's JSON say, may run over several lines)."""
+    stops = {policy.eos_id} if chat else _newline_ids(policy.tokenizer) | {policy.eos_id}
     for i, token in enumerate(ids):
         if token in stops:
             return ids[:i + 1], logps[:i + 1]
@@ -97,9 +112,9 @@ def play(policy, episodes: list[Episode], *, batch_size: int, max_turns: int, ma
             for row, ep in enumerate(chunk):
                 kept = out.completion_mask[row].bool()
                 action, logps = _action(policy, out.completion_ids[row][kept].tolist(),
-                                        out.logprobs[row][kept].tolist())
+                                        out.logprobs[row][kept].tolist(), ep.chat is not None)
                 text = policy.tokenizer.decode(action, skip_special_tokens=True)
-                observation, reward, done = ep.env.step(text.replace("\n", ""))
+                (observation, reward, done), role = _respond(ep, text)
                 ep.tokens += action
                 ep.own += [1] * len(action)
                 ep.logprobs += logps
@@ -108,7 +123,8 @@ def play(policy, episodes: list[Episode], *, batch_size: int, max_turns: int, ma
                 ep.turns += 1
                 ep.done = bool(done) or ep.turns >= max_turns
                 if not ep.done:  # the last reply is never read by the policy: it is not appended
-                    reply = _encode_text(policy.tokenizer, observation)
+                    reply = _encode_text(policy.tokenizer, observation) if ep.chat is None else \
+                        ep.chat.answer(observation, role, closed=bool(action) and action[-1] == policy.eos_id)
                     ep.tokens += reply
                     ep.own += [0] * len(reply)
                     ep.logprobs += [0.0] * len(reply)
@@ -117,18 +133,43 @@ def play(policy, episodes: list[Episode], *, batch_size: int, max_turns: int, ma
         ep.env.close()
 
 
+def _respond(ep: Episode, text: str) -> tuple[tuple[str, float, bool], str]:
+    """The environment's ``(observation, reward, done)`` for the action's text, and the role of its turn: a tool
+    call (a malformed one answered with its error, nothing played) or a plain-text action."""
+    if not ep.env.tools:
+        return ep.env.step(text.replace("\n", "")), "user"
+    ep.calls += 1
+    call = parse_tool_call(text, ep.env.tools)
+    if isinstance(call, ToolCallError):
+        return (call.message, 0.0, False), "tool"
+    ep.valid_calls += 1
+    return ep.env.call(call.name, call.arguments), "tool"
+
+
 def start_episodes(policy, env_cls: type[Environment], items: list[EpisodeItem], group_size: int,
                    positions=None) -> list[Episode]:
     """``group_size`` fresh episodes of each item's seed, keyed by position in the prompt stream."""
+    chat = ChatTurns(policy.tokenizer, env_cls, policy.system_prompt) if policy.chat_template else None
     episodes = []
     for i, item in enumerate(items):
         for g in range(group_size):
             env = env_cls()
             observation = env.reset(item.seed)
-            ids, mask = policy.encode_prompts([observation])
+            if chat is not None:
+                prompt = chat.prompt(observation, env.demonstration())
+            else:
+                ids, mask = policy.encode_prompts([observation])
+                prompt = ids[0][mask[0].bool()].tolist()
             key = positions[i] * group_size + g if positions is not None else None
-            episodes.append(Episode(item, env, key, ids[0][mask[0].bool()].tolist()))
+            episodes.append(Episode(item, env, key, prompt, chat=chat))
     return episodes
+
+
+def tool_call_counts(episodes: list[Episode]) -> tuple[int, int] | None:
+    """``(valid, attempted)`` tool calls of the episodes; None when their environment has no tools."""
+    if not episodes or not episodes[0].env.tools:
+        return None
+    return sum(ep.valid_calls for ep in episodes), sum(ep.calls for ep in episodes)
 
 
 def collect_episodes(policy, env_cls: type[Environment], items: list[EpisodeItem], *, group_size: int,
@@ -153,14 +194,23 @@ def collect_episodes(policy, env_cls: type[Environment], items: list[EpisodeItem
     rewards = torch.tensor([ep.ret for ep in episodes], dtype=torch.float32)
     return RolloutBatch([ep.item for ep in episodes], prompt_ids, prompt_mask, completion_ids, completion_mask,
                         logprobs, None, ["".join(ep.transcript) for ep in episodes], rewards,
-                        time.perf_counter() - start, 0.0, completion_attention=attention)
+                        time.perf_counter() - start, 0.0, completion_attention=attention,
+                        tool_calls=tool_call_counts(episodes))
+
+
+def won(ep: Episode) -> bool:
+    """The episode was completed: its return reached 1."""
+    return ep.ret >= 1.0 - 1e-9
 
 
 def evaluate_episodes(policy, env_cls: type[Environment], items: list[EpisodeItem], *, batch_size: int,
                       max_turns: int, max_new_tokens: int) -> dict:
-    """Greedy play of held-out episodes: successes (return >= 1), episodes and summed return, for all-reduce."""
+    """Greedy play of held-out episodes: successes (return >= 1), episodes and summed return, for all-reduce, and
+    (tool environments) the valid and attempted tool calls."""
     episodes = start_episodes(policy, env_cls, items, 1)
     play(policy, episodes, batch_size=batch_size, max_turns=max_turns, max_new_tokens=max_new_tokens,
          temperature=0.0, top_p=1.0, generator=None, seed=0)
-    return {"correct": float(sum(ep.ret >= 1.0 - 1e-9 for ep in episodes)), "total": len(episodes),
-            "reward_sum": float(sum(ep.ret for ep in episodes))}
+    calls = tool_call_counts(episodes)
+    return {"correct": float(sum(won(ep) for ep in episodes)), "total": len(episodes),
+            "reward_sum": float(sum(ep.ret for ep in episodes)),
+            **({"tool_calls_valid": calls[0], "tool_calls": calls[1]} if calls else {})}

@@ -73,6 +73,8 @@ class PhaseMemory:
         self._outside: set[str] = set()
         self.rounds = 0
         """RL steps reported so far (:meth:`report`)."""
+        self.plan_step_s: float | None = None
+        """The same plan's predicted seconds of one RL step (a rollout and its updates); None without a time model."""
 
     @property
     def measuring(self) -> bool:
@@ -91,8 +93,11 @@ class PhaseMemory:
         autos = {key: resolved_dtype("auto", device) for key, value in
                  (("quant.compute_dtype", profile.quant.compute_dtype), ("adapter.dtype", profile.adapter.dtype))
                  if value == "auto"}
-        peaks = plan_profile(apply_changes(profile, autos) if autos else profile, with_advice=False).phase_peak_bytes
-        return cls({phase: peaks.get(phase) for phase in PHASES}, device)
+        plan = plan_profile(apply_changes(profile, autos) if autos else profile, with_advice=False)
+        meter = cls({phase: plan.phase_peak_bytes.get(phase) for phase in PHASES}, device)
+        timing = getattr(plan, "timing", None)
+        meter.plan_step_s = float(timing.seconds) if timing is not None else None
+        return meter
 
     @contextlib.contextmanager
     def phase(self, name: str):

@@ -33,6 +33,8 @@ class RolloutBatch:
     routes: "torch.Tensor | None" = None
     """[B, T, L_moe, k] the experts each completion token was routed to on the infer path, per MoE layer (-1: not
     recorded); None on a dense model or when the engine returns none. Replayed by ``rl.router_replay``."""
+    tool_calls: "tuple[int, int] | None" = None
+    """``(valid, attempted)`` tool calls in the episodes of an environment with tools; None otherwise."""
 
     @property
     def size(self) -> int:
@@ -43,6 +45,8 @@ def _pad_right(tensors, value):
     import torch
 
     width = max(t.shape[1] for t in tensors)
+    if len(tensors) == 1 and tensors[0].shape[1] == width:
+        return tensors[0]  # one chunk's tensor as it is: a cat would copy it (the kept infer distribution twice)
     out = []
     for t in tensors:
         if t.shape[1] < width:

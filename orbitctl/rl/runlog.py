@@ -1,7 +1,9 @@
-"""The run's record: metrics.jsonl (one line per optimizer step), memory and health warnings.
+"""The run's record: metrics.jsonl (one line per optimizer step), the trackers it goes to, the time left, memory
+and health warnings.
 
 Field meanings are documented in docs/train.md. Only rank 0 writes. On resume the file is cut
-back to the checkpoint's step first, so a step is never missing or written twice.
+back to the checkpoint's step first, so a step is never missing or written twice. Each record
+appended also goes to the ``run.loggers`` attached (:mod:`orbitctl.rl.loggers`).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import time
 from collections import deque
 from pathlib import Path
 from orbitctl.rundir import atomic_write_text, jsonl_records
@@ -18,6 +21,8 @@ class MetricsLog:
     def __init__(self, path: Path, enabled: bool) -> None:
         self.path = Path(path)
         self.enabled = enabled
+        self.loggers: list = []
+        """Experiment trackers (:func:`orbitctl.rl.loggers.open_loggers`) each appended record is sent to."""
 
     def truncate_after(self, step: int) -> None:
         """Keep only lines with ``step <= step`` (atomic rewrite); a torn last line is dropped."""
@@ -34,6 +39,40 @@ class MetricsLog:
             handle.write(json.dumps(record) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
+        if self.loggers:
+            from orbitctl.rl.loggers import step_scalars
+
+            values = step_scalars(record)
+            for logger in self.loggers:
+                logger.log(record["step"], values)
+
+    def close(self, failed: bool = False) -> None:
+        """End every attached tracker's run (marked failed when the run stopped on an error)."""
+        loggers, self.loggers = self.loggers, []
+        for logger in loggers:
+            logger.close(failed)
+
+
+class StepClock:
+    """The seconds an optimizer step takes in this process and the time the run has left.
+
+    The mean is of the steps after the first (which pays the warm-up: the first rollout, kernels compiled, caches
+    filled), measured as wall time between the ends of consecutive steps, so evaluation and checkpoint time count."""
+
+    def __init__(self, total_steps: int) -> None:
+        self.total = total_steps
+        self.first_end: float | None = None
+        self.steps_after_first = 0
+
+    def tick(self, step: int) -> dict:
+        """Step ``step`` ended now: ``{"step_s_mean": ..., "eta_s": ...}`` (None until a step after the first)."""
+        now = time.perf_counter()
+        if self.first_end is None:
+            self.first_end = now
+            return {"step_s_mean": None, "eta_s": None}
+        self.steps_after_first += 1
+        mean = (now - self.first_end) / self.steps_after_first
+        return {"step_s_mean": mean, "eta_s": mean * max(self.total - step, 0)}
 
 
 def peak_memory_bytes() -> tuple[int, str]:

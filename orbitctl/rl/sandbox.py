@@ -28,6 +28,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from orbitctl.isolated import signal_death
 from orbitctl.rl.sandbox_child import NOBODY, landlock_abi
 
 _CHILD = str(Path(__file__).with_name("sandbox_child.py"))
@@ -49,6 +50,8 @@ class SandboxResult:
     total: int
     status: str
     """ok, timeout (wall clock or CPU seconds), crashed (no result line) or error."""
+    detail: str | None = None
+    """Why it crashed: the signal that ended the child and its likely cause, or its exit code."""
 
     @property
     def fraction(self) -> float:
@@ -109,7 +112,10 @@ def run_tests(program: str, tests: str, entry_point: str | None = None,
                 doc = json.loads(line[len(nonce):])
                 return SandboxResult(int(doc["passed"]), int(doc["total"]), "ok")
         # out of CPU seconds is the same verdict as out of wall-clock time, whichever came first
-        return SandboxResult(0, 1, "timeout" if proc.returncode == -signal.SIGXCPU else "crashed")
+        if proc.returncode == -signal.SIGXCPU:
+            return SandboxResult(0, 1, "timeout")
+        return SandboxResult(0, 1, "crashed", signal_death("the sandboxed program", proc.returncode)
+                             or f"the sandboxed program exited with code {proc.returncode} before its result line")
     except OSError:
         return SandboxResult(0, 1, "error")
     finally:

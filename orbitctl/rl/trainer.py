@@ -99,9 +99,12 @@ class _Evaluator:
         else:
             out = evaluate(self.policy, self.items, self.reward_fn, batch_size=self.batch,
                            max_new_tokens=self.max_new, generator=torch.Generator())
-        total, correct, reward_sum = reduce_scalars([float(out["total"]), float(out["correct"]),
-                                                     float(out["reward_sum"])])
-        return {"eval_accuracy": correct / total, "eval_reward": reward_sum / total, "eval_prompts": int(total)}
+        total, correct, reward_sum, valid, calls = reduce_scalars([
+            float(out["total"]), float(out["correct"]), float(out["reward_sum"]),
+            float(out.get("tool_calls_valid", 0)), float(out.get("tool_calls", 0))])
+        tools = {"eval_tool_call_valid_rate": valid / calls} if "tool_calls" in out and calls else {}
+        return {"eval_accuracy": correct / total, "eval_reward": reward_sum / total, "eval_prompts": int(total),
+                **tools}
 
 
 def run_loop(profile, fresh, emit, rank, world, torch, closing) -> TrainResult:
@@ -113,7 +116,7 @@ def run_loop(profile, fresh, emit, rank, world, torch, closing) -> TrainResult:
     from orbitctl.rl import checkpoint as ckpt
     from orbitctl.data.prompts import PromptStream, load_prompts
     from orbitctl.rl.engine import after_rank0, build_engine, engine_config
-    from orbitctl.rl.runlog import HealthMonitor, MetricsLog
+    from orbitctl.rl.runlog import HealthMonitor, MetricsLog, StepClock
     from orbitctl.rl.losses import group_advantages
     from orbitctl.rl.rewards import make_reward
     from orbitctl.rl.multiturn import collect_episodes
@@ -156,6 +159,9 @@ def run_loop(profile, fresh, emit, rank, world, torch, closing) -> TrainResult:
                    "accumulation": {"derived": gas, "profile": profile.memory.gradient_accumulation_steps},
                    "warnings": accumulation_warnings(gas, profile),
                    "run_dir": str(run_dir), "rank": rank, "world_size": world, "data_formats": split.formats,
+                   # the plan's seconds per optimizer step: its RL step spread over the updates of one rollout
+                   "plan_step_s": None if meter.plan_step_s is None
+                   else meter.plan_step_s / (profile.rl.ppo_epochs * profile.rl.minibatches),
                    **base.notes})
     rl = profile.rl
     optimizer_steps_per_rollout = rl.ppo_epochs * rl.minibatches
@@ -188,9 +194,15 @@ def run_loop(profile, fresh, emit, rank, world, torch, closing) -> TrainResult:
         emit("eval", {"step": 0, **(first or {})})
     if rank == 0:
         atomic_write_json(summary_path, {"eval_before": eval_before, "status": "running", "step": step})
+        if profile.run.loggers:  # after the resume point is known: TensorBoard drops the steps after it
+            from orbitctl.rl.loggers import open_loggers
+
+            metrics.loggers = open_loggers(profile, run, resumed_at=step)
+            closing.push(lambda kind, exc, tb: metrics.close(failed=kind is not None))
 
     http = _http_rollout(profile, run, policy, rank, closing, emit) if profile.rollout.engine == "http" else None
     health = HealthMonitor(_memory_limit(profile))
+    clock = StepClock(rl.steps)
     last: dict = {}
     # the full infer distribution is kept for the align loss only while it stays small
     # (tiny vocabularies); otherwise the align loss uses the sampled-token k3 estimate
@@ -201,6 +213,7 @@ def run_loop(profile, fresh, emit, rank, world, torch, closing) -> TrainResult:
         and env is None  # multi-turn rollouts keep sampled-token log-probs only (k3 align estimate)
     while step < rl.steps:
         positions, items = zip(*stream.next_step(rl.prompts_per_step))
+        batch = advantages = None  # the last step's experience (its kept infer distribution) goes before the next
         with meter.phase("rollout"):
             # draws keyed by each sequence's place in the run: the same tokens on 1 rank or N
             if http is not None:
@@ -246,7 +259,7 @@ def run_loop(profile, fresh, emit, rank, world, torch, closing) -> TrainResult:
             record["warnings"] = health.check(record) + (memory["memory_warnings"] if i == 0 else [])
             metrics.append(record)
             last = record
-            emit("step", record)
+            emit("step", {**record, **clock.tick(step)})  # the live view's ETA; not a metric of the run
             if nonfinite_streak >= rl.max_nonfinite_steps:
                 if rank == 0:
                     atomic_write_json(summary_path, {"eval_before": eval_before, "status": "failed", "step": step})
@@ -342,9 +355,10 @@ def _rollout_stats(batch) -> dict:
 
     lengths = batch.completion_mask.sum(-1).float()
     # one collective for the step's statistics, on the device the default group's backend takes
-    n, r_sum, r_sq, correct, length_sum = reduce_scalars([
+    valid, calls = batch.tool_calls or (0, 0)
+    n, r_sum, r_sq, correct, length_sum, valid, calls = reduce_scalars([
         float(batch.size), float(batch.rewards.sum()), float((batch.rewards ** 2).sum()),
-        float((batch.rewards >= 1.0 - 1e-9).sum()), float(lengths.sum())])
+        float((batch.rewards >= 1.0 - 1e-9).sum()), float(lengths.sum()), float(valid), float(calls)])
     mean = r_sum / n
     return {
         "reward_mean": mean,
@@ -353,6 +367,8 @@ def _rollout_stats(batch) -> dict:
         "response_length": length_sum / n,
         "samples": int(n),
         "tokens": int(length_sum),
+        # an environment with tools: the share of actions that were well-formed tool calls
+        **({"tool_call_valid_rate": valid / calls} if batch.tool_calls is not None and calls else {}),
     }
 
 
@@ -369,7 +385,8 @@ def _record(step, batch, rollout_stats, upd, first_of_rollout, lr, samples_seen)
         "step": step,
         "samples": samples_seen,
         "tokens": rollout_stats["tokens"],
-        **{k: rollout_stats[k] for k in ("reward_mean", "reward_std", "accuracy", "response_length")},
+        **{k: rollout_stats[k] for k in ("reward_mean", "reward_std", "accuracy", "response_length",
+                                         "tool_call_valid_rate") if k in rollout_stats},
         "policy_loss": stats.get("policy_loss"),
         "align_loss": stats.get("align_loss"),
         "ref_kl": stats.get("ref_kl"),

@@ -9,10 +9,11 @@ call it and what it may read is :class:`Access` (:mod:`orbitctl.serve.security`)
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from orbitctl.errors import RunFailed, UserError
@@ -65,6 +66,41 @@ class Access:
     limits: Limits = Limits()
 
 
+@dataclass(frozen=True)
+class Startup:
+    """What a server tells whoever started it once its port is bound: where it listens, what it serves and who
+    may call it (``orbitctl serve --json`` prints it as one JSON document)."""
+
+    url: str
+    """The base URL an OpenAI client takes (ends in ``/v1``)."""
+    host: str
+    port: int
+    """The bound port (the one the system chose, for ``--port 0``)."""
+    pid: int
+    base: str
+    """The model name that asks for the base alone: the profile's name."""
+    adapters: list[str]
+    """The model names of the adapters loaded at start."""
+    api_key_required: bool
+    adapter_loading: bool
+    """Whether clients may load and unload adapters at run time."""
+    adapter_root: str | None
+    """The only directory run-time loads read from (resolved), when they are allowed."""
+    limits: dict
+    """The bounds on one request (:class:`orbitctl.serve.security.Limits`)."""
+
+    @classmethod
+    def of(cls, engine: Engine, host: str, port: int, access: Access) -> "Startup":
+        root = access.fence.root if access.fence.allow else None
+        return cls(url=f"http://{host}:{port}/v1", host=host, port=port, pid=os.getpid(), base=engine.base_name,
+                   adapters=list(engine.adapters), api_key_required=access.api_key is not None,
+                   adapter_loading=access.fence.allow, adapter_root=None if root is None else str(root),
+                   limits=asdict(access.limits))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 def _server(engine: Engine, host: str, port: int, log_level: str, access: Access):
     import uvicorn
 
@@ -92,11 +128,13 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def serve(engine: Engine, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, access: Access = Access(),
           on_ready=None) -> None:
-    """Serve ``engine`` until interrupted (Ctrl+C or SIGTERM end it cleanly)."""
+    """Serve ``engine`` until interrupted (Ctrl+C or SIGTERM end it cleanly); ``on_ready`` gets the
+    :class:`Startup` once the port is bound and listening."""
     check_exposure(host, access.api_key)
     sock = _bind(host, port)
+    sock.listen()  # from here a client may connect: the kernel holds it until the server takes it
     if on_ready is not None:
-        on_ready(f"http://{host}:{sock.getsockname()[1]}/v1")
+        on_ready(Startup.of(engine, host, sock.getsockname()[1], access))
     _server(engine, host, port, "warning", access).run(sockets=[sock])
 
 
@@ -126,7 +164,8 @@ def serve_profile(profile_path: str, overrides: list[str], adapter_args: list[st
                   port: int = DEFAULT_PORT, max_waiting: int = 8, api_key: str | None = None,
                   allow_adapter_loading: bool = False, adapter_root: str | None = None, limits: Limits = Limits(),
                   on_ready=None) -> None:
-    """``orbitctl serve``: load the profile, build its engine with the ``--adapter`` values, serve it."""
+    """``orbitctl serve``: load the profile, build its engine with the ``--adapter`` values, serve it; ``on_ready``
+    gets the :class:`Startup` once the port is bound."""
     from orbitctl.profile import load_profile
     from orbitctl.profile.support import SERVE, given_keys, refuse_unsupported
 
@@ -142,10 +181,7 @@ def serve_profile(profile_path: str, overrides: list[str], adapter_args: list[st
     profile = load_profile(profile_path, overrides)
     refuse_unsupported(profile, SERVE, given_keys(overrides))
     engine = build_engine(profile, adapters, max_waiting=max_waiting)
-    names = ", ".join(m["id"] for m in engine.models())
-    guarded = " (API key required)" if api_key is not None else ""
-    serve(engine, host=host, port=port, access=access, on_ready=None if on_ready is None else
-          (lambda url: on_ready(f"serving {names} at {url}{guarded}")))
+    serve(engine, host=host, port=port, access=access, on_ready=on_ready)
 
 
 @dataclass

@@ -20,7 +20,7 @@ def test_cli_passes_flags_to_one_library_call(monkeypatch):
         return Report()
 
     monkeypatch.setattr(api, "diagnose", fake_diagnose)
-    result = runner.invoke(app, ["doctor", "--log", "run.log", "--profile", "p.yaml", "--set", "memory.seq_len=2048",
+    result = runner.invoke(app, ["doctor", "p.yaml", "--log", "run.log", "--set", "memory.seq_len=2048",
                                  "--snapshot", "s.json", "--save-snapshot", "o.json", "--expect-gpus", "8", "--active",
                                  "--machine", "--json"])
     assert result.exit_code == 0, result.output
@@ -39,6 +39,27 @@ def test_gpu_less_machine_exits_0_and_says_so(capsys):
     assert doc["exit_code"] == 0 and any("no NVIDIA driver/GPU found" in n for n in doc["notes"])
     statuses = {f["id"]: f["status"] for f in doc["findings"]}
     assert statuses["env.nvml"] == statuses["pcie.width"] == statuses["numa.bind"] == "SKIP"
+
+
+def test_no_gpu_is_said_once_and_every_skipped_check_stays_in_the_json(capsys):
+    snapshot = str(FIX / "snapshots" / "no_gpu.json")
+    assert main(["doctor", "--snapshot", snapshot]) == 0
+    out = capsys.readouterr().out
+    words = " ".join(out.split())  # the note wraps at the terminal's width
+    nvml_error = "NVML Shared Library Not Found"
+    assert words.count(nvml_error) == 1 and words.count("no NVIDIA driver/GPU found") == 1
+    assert words.startswith("no NVIDIA driver/GPU found (nvmlInit failed") and "`--gpus all`" in words
+    for skipped in ("env.nvml", "ver.driver", "pcie.width", "numa.bind", "env.alloc"):
+        assert skipped not in out, skipped
+    assert "env.torch" in out and "xid.recent" in out  # what is not about the missing GPU is shown as before
+    assert main(["doctor", "--snapshot", snapshot, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    no_gpu = {f["id"]: f for f in doc["findings"] if f["data"].get("skip_reason") == "no_gpu"}
+    assert {"env.nvml", "ver.driver", "pcie.width", "numa.bind", "env.alloc"} <= set(no_gpu)
+    assert all(f["status"] == "SKIP" for f in no_gpu.values())
+    assert all(f["evidence"] == ["no NVIDIA driver/GPU found"] for i, f in no_gpu.items() if i != "env.nvml")
+    assert nvml_error in no_gpu["env.nvml"]["evidence"][0] and "--gpus all" in no_gpu["env.nvml"]["fix"]
+    assert f"{len(no_gpu)} GPU checks SKIP" in doc["notes"][0]
 
 
 def test_fail_gives_exit_1_and_table(capsys):
@@ -110,4 +131,4 @@ def test_no_machine_with_a_machine_flag_is_refused(tmp_path, capsys):
         assert main(["doctor", "--log", str(log), "--no-machine", *flag]) == 2, flag
         assert flag[0] in capsys.readouterr().err, flag
     assert main(["doctor", "--set", "memory.seq_len=8"]) == 2
-    assert "--profile" in capsys.readouterr().err
+    assert "PROFILE" in capsys.readouterr().err

@@ -241,8 +241,8 @@ def test_missing_or_empty_run_exits_2(tmp_path, capsys, one_error_line):
     one_error_line(capsys.readouterr().err, "metrics.jsonl: no step records")
     (empty / "metrics.jsonl").write_text(json.dumps(_healthy()[0]) + "\n")
     assert main(["doctor", "--run", str(empty)]) == 2
-    one_error_line(capsys.readouterr().err, "profile.yaml", "--profile")
-    assert main(["doctor", "--run", str(empty), "--profile", str(DEMO)]) == 0
+    one_error_line(capsys.readouterr().err, "profile.yaml", "orbitctl doctor PROFILE --run")
+    assert main(["doctor", str(DEMO), "--run", str(empty)]) == 0
     capsys.readouterr()
 
 

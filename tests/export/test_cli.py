@@ -48,5 +48,5 @@ def test_an_existing_out_is_refused(int4_profile, tmp_path, capsys, one_error_li
     (tmp_path / "o").mkdir()
     (tmp_path / "o" / "keep.txt").write_text("mine")
     assert main(["export", str(int4_profile), str(tmp_path / "o"), "--format", "gguf"]) == 2
-    one_error_line(capsys.readouterr().err, "already exists", "--force")
+    one_error_line(capsys.readouterr().err, "already exists", "--fresh")
     assert (tmp_path / "o" / "keep.txt").read_text() == "mine"

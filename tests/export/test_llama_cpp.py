@@ -4,7 +4,7 @@ The floor is measured in the same test: llama.cpp's base against orbitctl's base
 same integers; what differs is llama.cpp's kernels, which quantize activations to 8 bits for Q4_0). With the
 adapter loaded unmerged the distance stays within a few times that floor; with it left out it is far above.
 
-llama.cpp runs in a child process (orbitctl.export.isolated): a llama.cpp that dies (SIGILL from a build for
+llama.cpp runs in a child process (orbitctl.isolated): a llama.cpp that dies (SIGILL from a build for
 another CPU, issue 42) fails the one test that ran it, with the signal and its cause, and the session goes on;
 the last two tests prove it with a llama_cpp that dies of SIGILL (tests/export/conftest.py).
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from orbitctl.export.isolated import NativeCrash
+from orbitctl.isolated import NativeCrash
 
 ROOT = Path(__file__).resolve().parents[2]
 # the parent never imports llama_cpp (importing it loads llama.cpp's libraries): find_spec only looks for it

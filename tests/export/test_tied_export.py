@@ -16,7 +16,7 @@ import torch
 import yaml
 
 gguf = pytest.importorskip("gguf")
-# llama.cpp runs in a child (orbitctl.export.isolated); the parent never imports llama_cpp, find_spec only looks for it
+# llama.cpp runs in a child (orbitctl.isolated); the parent never imports llama_cpp, find_spec only looks for it
 requires_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
                                         reason="llama-cpp-python is not installed (`make setup` builds it)")
 DEMO = Path(__file__).resolve().parents[2] / "profiles" / "tiny-cpu.yaml"

@@ -83,8 +83,11 @@ def test_a_pack_of_exact_scales_takes_it_and_other_scales_keep_pytorchs_kernel()
 
 
 def test_a_cpu_without_native_bf16_or_under_the_cap_is_told_why(monkeypatch):
-    from orbitctl.model import cpu_dtype
+    from orbitctl.model import cpu_dtype, cpu_state
 
+    monkeypatch.setattr(bf16_cpu, "host_isa", bf16_cpu.host_isa.__wrapped__)  # asked afresh under each stub
+    # the OS enabled the AVX-512 state (what the OS answers is tests/model/test_cpu_isa.py's)
+    monkeypatch.setattr(cpu_state, "ask_kernel", lambda request_amx: cpu_state.KernelAnswers(0x2E7))
     flags = frozenset({"avx2", "fma"})
     monkeypatch.setattr(cpu_dtype, "read_host_cpu", lambda path="/proc/cpuinfo": cpu_dtype.CpuInfo("an AVX2 CPU", flags))
     assert "avx512_bf16" in bf16_cpu.cpu_unsupported()

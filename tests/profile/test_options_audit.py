@@ -150,7 +150,7 @@ def test_unsupported_for_names_key_value_and_why():
     (["profile", "validate", TINY], "rollout.kv_dtyp", "rollout.kv_dtype"),
     (["profile", "show", TINY], "rollout.kv_dtyp", "rollout.kv_dtype"),
     (["verify-alignment", TINY], "rollout.kv_dtyp", "rollout.kv_dtype"),
-    (["doctor", "--profile", TINY], "rollout.kv_dtyp", "rollout.kv_dtype"),
+    (["doctor", TINY], "rollout.kv_dtyp", "rollout.kv_dtype"),
     (["quantize", TINY], "quant.group_sise", "quant.group_size"),
 ])
 def test_unknown_set_key_is_refused_by_every_command(capsys, command, key, known, one_error_line):
@@ -174,8 +174,8 @@ def test_plan_refuses_flags_list_archs_ignores(capsys, args, needle, one_error_l
 def test_doctor_set_needs_profile_and_no_machine_needs_log(capsys, one_error_line):
     code, err = _run(capsys, "doctor", "--set", "memory.seq_len=8")
     assert code == 2
-    one_error_line(err, "--set", "--profile")
-    code, err = _run(capsys, "doctor", "--no-machine", "--profile", TINY)
+    one_error_line(err, "--set", "PROFILE")
+    code, err = _run(capsys, "doctor", TINY, "--no-machine")
     assert code == 2
     one_error_line(err, "--no-machine", "--log")
 

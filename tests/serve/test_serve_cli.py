@@ -113,3 +113,61 @@ def test_a_server_started_for_a_run_ends_with_the_process_that_started_it():
                              "from orbitctl.serve.api import _exit_with_parent; _exit_with_parent()"],
                             capture_output=True, text=True)
     assert orphan.returncode != 0 and "has already exited" in orphan.stderr
+
+
+class _BoundServer:
+    """Stands in for uvicorn's server: holds the bound socket and returns at once instead of serving forever."""
+
+    def __init__(self) -> None:
+        self.sockets = []
+
+    def run(self, sockets) -> None:
+        self.sockets = sockets
+
+
+def test_json_prints_the_startup_facts_once_the_port_is_bound(monkeypatch, tmp_path):
+    """The real serve path (profile, refusals, bind, startup document) with the model and uvicorn left out."""
+    import json
+
+    from orbitctl.serve.engine import Engine
+
+    servers = []
+
+    def engine(profile, adapters, *, max_waiting):
+        built = Engine(None, base_name=profile.name, adapter_kind="lora", context=64, max_waiting=max_waiting)
+        built.adapters = {name: {"path": path} for name, path in adapters}
+        return built
+
+    def server(*args):
+        servers.append(_BoundServer())
+        return servers[-1]
+
+    monkeypatch.setattr("orbitctl.serve.api.build_engine", engine)
+    monkeypatch.setattr("orbitctl.serve.api._server", server)
+    (tmp_path / "adapter").mkdir()
+    result = CliRunner().invoke(_app(), ["serve", "profiles/tiny-cpu.yaml", "--port", "0", "--adapter",
+                                         f"best={tmp_path / 'adapter'}", "--allow-adapter-loading", "--adapter-root",
+                                         str(tmp_path), "--max-n", "4", "--json"], env={"ORBITCTL_API_KEY": "k1"})
+    try:
+        assert result.exit_code == 0, result.output
+        assert len(result.stdout.splitlines()) == 1  # one line: a reader of the server's stdout has it whole
+        doc = json.loads(result.stdout)
+        port = servers[0].sockets[0].getsockname()[1]
+        assert port > 0 and doc["port"] == port and doc["url"] == f"http://127.0.0.1:{port}/v1"
+        assert (doc["host"], doc["base"], doc["adapters"]) == ("127.0.0.1", "tiny-cpu", ["best"])
+        assert doc["api_key_required"] is True and "k1" not in result.stdout
+        assert doc["adapter_loading"] is True and doc["adapter_root"] == str(tmp_path.resolve())
+        assert doc["limits"] == {"max_prompt_tokens": None, "max_tokens": None, "max_n": 4, "max_batch": 1024}
+        assert doc["pid"] > 0
+    finally:
+        for s in servers:
+            for sock in s.sockets:
+                sock.close()
+    # without --json: one line for the person at the terminal, on stderr, and nothing on stdout
+    monkeypatch.delenv("ORBITCTL_API_KEY", raising=False)
+    result = CliRunner().invoke(_app(), ["serve", "profiles/tiny-cpu.yaml", "--port", "0"], env={"ORBITCTL_API_KEY": None})
+    for s in servers[1:]:
+        for sock in s.sockets:
+            sock.close()
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "" and "serving tiny-cpu at http://127.0.0.1:" in result.stderr

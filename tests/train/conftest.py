@@ -42,3 +42,10 @@ def small_profile(tmp_path):
         return load_profile(small_profile_yaml(tmp_path, run_name, **overrides))
 
     return make
+
+
+@pytest.fixture(scope="module")
+def module_profile_yaml(tmp_path_factory):
+    """``module_profile_yaml(run_name, **overrides)``: as ``profile_yaml``, for a run a module's tests share."""
+    tmp = tmp_path_factory.mktemp("module-runs")
+    return lambda run_name="run", **overrides: small_profile_yaml(tmp, run_name, **overrides)

@@ -1,9 +1,10 @@
 """`orbitctl train PROFILE --dry-run` and the shipped GPU profiles.
 
 Every shipped GPU profile is one train builds: on this machine (no GPU) `orbitctl train PROFILE`
-stops only at the machine check, exit 2 naming the GPUs it lacks, and `--dry-run` works the whole
-run out (ranks, the experts each reads, the DeepSpeed config, the memory mechanics, the plan and the
-machine check) without loading a weight, exit 0.
+stops only at the machine check, exit 2 naming the GPUs it lacks, and `--dry-run`, given the model and
+data files the profile names, works the whole run out (ranks, the experts each reads, the DeepSpeed config,
+the memory mechanics, the plan and the machine check) without loading a weight, exit 0. Without those files
+it refuses, exit 2 naming the keys.
 """
 
 from __future__ import annotations
@@ -38,12 +39,12 @@ def test_train_stops_only_at_the_machine_check(path, one_error_line):
 
 
 @pytest.mark.parametrize("path", GPU_PROFILES, ids=lambda p: p.stem)
-def test_dry_run_works_out_every_rank(path, capsys):
+def test_dry_run_works_out_every_rank(path, capsys, gpu_profile_inputs):
     from orbitctl.plan import _arch
     from orbitctl.profile import load_profile
 
     profile = load_profile(str(path))
-    assert main(["train", str(path), "--dry-run", "--json"]) == 0
+    assert main(["train", str(path), "--dry-run", "--json", *gpu_profile_inputs]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["world_size"] == profile.world_size == len(doc["ranks"])
     assert [r["rank"] for r in doc["ranks"]] == list(range(profile.world_size))
@@ -69,9 +70,9 @@ def test_dry_run_works_out_every_rank(path, capsys):
     assert doc["machine_check"]["checks"] and isinstance(doc["machine_check"]["passes_here"], bool)
 
 
-def test_dry_run_text_names_what_it_builds(capsys):
+def test_dry_run_text_names_what_it_builds(capsys, gpu_profile_inputs):
     kimi = ROOT / "profiles" / "kimi-k2_grpo_int4_8xh200.yaml"
-    assert main(["train", str(kimi), "--dry-run"]) == 0
+    assert main(["train", str(kimi), "--dry-run", *gpu_profile_inputs]) == 0
     out = capsys.readouterr().out
     for needle in ("ranks", "cuda:7", "336..383", "loss_chunk_size", "offload_activations", "DeepSpeed config",
                    "policy_update", "machine check"):
@@ -113,3 +114,44 @@ def test_dry_run_of_the_cpu_moe_places_the_experts_as_the_ranks_do(capsys):
     for r in doc["ranks"]:
         owned = ExpertGroup(r["expert_rank"], doc["layout"]["expert_parallel"]).owned(experts)
         assert r["experts"] == [owned.start, owned.stop - 1]
+
+
+@pytest.mark.parametrize("path", GPU_PROFILES, ids=lambda p: p.stem)
+def test_dry_run_refuses_the_model_and_data_it_cannot_find(path, one_error_line, tmp_path):
+    """As shipped, the GPU profiles name /models/... and data/math_train.jsonl, absent here: one line naming
+    each key, exit 2, from any working directory."""
+    done = subprocess.run([sys.executable, "-m", "orbitctl.cli.app", "train", str(path), "--dry-run"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 2, done.stderr
+    one_error_line(done.stderr, "model.quantized_path:", "model.path:", "data.train: data/math_train.jsonl does not exist",
+                   f"(from {tmp_path})", "orbitctl quantize PROFILE", "docs/train.md")
+
+
+def test_dry_run_checks_the_model_train_would_read(tmp_path, one_error_line, capsys):
+    """model.quantized_path is used as is (model.path then unread); without it model.path must hold a checkpoint."""
+    tiny = str(ROOT / "profiles" / "tiny-cpu.yaml")
+    checkpoint = tmp_path / "hf"
+    checkpoint.mkdir()
+    cases = [
+        (["model.path=" + str(tmp_path / "missing")], "model.path: " + str(tmp_path / "missing") + " does not exist"),
+        (["model.path=" + str(tmp_path)], "has neither a config.json nor a GGUF file"),
+        (["model.quantized_path=" + str(checkpoint), "model.path=" + str(tmp_path)],
+         "model.quantized_path: " + str(checkpoint) + " holds no quantized base"),
+        (["data.eval=" + str(tmp_path / "eval.jsonl")], "data.eval: " + str(tmp_path / "eval.jsonl") + " does not exist"),
+        (["model.path=pkg:no_such_package/model.gguf"], "package 'no_such_package'"),
+    ]
+    for sets, needle in cases:
+        assert main(["train", tiny, "--dry-run", *[a for s in sets for a in ("--set", s)]]) == 2, sets
+        one_error_line(capsys.readouterr().err, needle)
+    (checkpoint / "config.json").write_text("{}")  # quantized: model.path is not read, even where it is missing
+    sets = ["model.quantized_path=" + str(checkpoint), "model.path=" + str(tmp_path / "missing")]
+    assert main(["train", tiny, "--dry-run", "--json", *[a for s in sets for a in ("--set", s)]]) == 0
+    capsys.readouterr()
+
+
+def test_train_checks_the_files_after_the_machine(tmp_path, one_error_line, capsys):
+    """train itself refuses a missing data file before it starts anything (a CPU profile has no machine check)."""
+    tiny = str(ROOT / "profiles" / "tiny-cpu.yaml")
+    assert main(["train", tiny, "--set", f"data.train={tmp_path / 'nope.jsonl'}", "--set", f"run.dir={tmp_path / 'run'}"]) == 2
+    one_error_line(capsys.readouterr().err, "data.train:", "does not exist")
+    assert not (tmp_path / "run").exists()

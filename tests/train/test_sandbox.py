@@ -40,6 +40,16 @@ def test_a_loop_out_of_cpu_seconds_is_a_timeout_not_a_crash():
 def test_a_program_that_kills_itself_is_a_crash():
     result = run_tests("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", TESTS, "f", FAST)
     assert result.status == "crashed" and result.fraction == 0.0
+    assert result.detail.startswith("the sandboxed program died with SIGKILL (killed): "), result.detail
+
+
+def test_a_program_that_executes_an_illegal_instruction_is_a_crash_that_names_the_signal():
+    """Native code gone wrong inside the sandbox (here: SIGILL) fails that one run with the signal and its cause."""
+    result = run_tests("import os, signal\nos.kill(os.getpid(), signal.SIGILL)\n", TESTS, "f", FAST)
+    assert result.status == "crashed" and result.fraction == 0.0
+    assert result.detail.startswith("the sandboxed program died with SIGILL (illegal instruction): a native build for "
+                                    "another CPU"), result.detail
+    assert run_tests("def f(x):\n    return x + 1\n", TESTS, "f", FAST).fraction == 1.0  # and the next run is whole
 
 
 def test_fork_bomb_is_contained():

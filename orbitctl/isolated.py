@@ -1,19 +1,26 @@
-"""Native code (llama.cpp) run in a child process, so that its crash fails one call, not the caller.
+"""Native code run in a child process, so that its crash fails one call, not the caller.
+
+    from orbitctl.isolated import NativeCrash, run_isolated
+    scores = run_isolated(llama_cpp_scores, path, seqs, what="llama.cpp", timeout=1800, sigill_fix=FIX)
 
 A native library that executes an instruction the CPU or the kernel refuses (a llama.cpp wheel built with
 ``-march=native`` on another machine: AVX-512, AMX tile instructions without the kernel's tile-data
-permission) dies with SIGILL, and takes the Python process that loaded it down with it: no exception, no
-``finally``, and under pytest every test after it never runs (issue 42). :func:`run_isolated` calls
-``function(*args, **kwargs)`` in a fresh interpreter (``python -m orbitctl.export.isolated``, not a fork:
-the caller's OpenMP and torch threads do not survive a fork) and returns its result; the arguments and the
-result travel as pickles through files. What can happen:
+permission; a kernel whose AVX-512 registers the OS did not enable) dies with SIGILL, and takes the Python
+process that loaded it down with it: no exception, no ``finally``, and under pytest every test after it never
+runs (issue 42). :func:`run_isolated` calls ``function(*args, **kwargs)`` in a fresh interpreter (``python -m
+orbitctl.isolated``, not a fork: the caller's OpenMP and torch threads do not survive a fork) and returns its
+result; the arguments and the result travel as pickles through files. What can happen:
 
 * the function returns: its result;
 * it raises: the same exception is raised here (its traceback text in ``child_traceback``);
 * the child dies by a signal: :class:`NativeCrash`, one line naming the signal and its likely cause
   ("llama.cpp died with SIGILL (illegal instruction): a native build for another CPU ..."); SIGILL exits 2
-  like bad input (the fix is a rebuild, the user's), other signals 1;
+  like bad input (the fix is a rebuild, the user's; the caller names it, ``sigill_fix``), other signals 1;
 * it runs past ``timeout``: the child is killed and :class:`NativeCrash` says so.
+
+Its callers: llama.cpp (:mod:`orbitctl.export.llamacpp`) and the first calls of orbitctl's own CPU kernels
+(:mod:`orbitctl.model.bf16_cpu`). A caller that starts a child of its own (the code sandbox) words its death by a
+signal with the same table (:func:`signal_death`).
 
 The child loads the function by module name, or from its file when the module cannot be imported by name
 (a test file, a script run as ``__main__``); it enables :mod:`faulthandler`, so its stderr (kept, its last
@@ -38,8 +45,8 @@ from orbitctl.errors import EXIT_BAD_INPUT, EXIT_FAILED, OrbitError
 SIGNAL_CAUSES: dict[int, tuple[str, str]] = {
     signal.SIGILL: ("illegal instruction",
                     "a native build for another CPU: compiled for the machine that built it (GGML_NATIVE / -march=native: "
-                    "AVX-512, AMX) or a wheel reused from a pip cache another CPU filled, or AMX tile instructions "
-                    "without the kernel's tile-data permission"),
+                    "AVX-512, AMX) or a wheel reused from a pip cache another CPU filled, AMX tile instructions "
+                    "without the kernel's tile-data permission, or AVX-512 registers the OS did not enable (XCR0)"),
     signal.SIGSEGV: ("segmentation fault", "a memory error inside the library: a malformed input file, or shared "
                                            "libraries that do not match their Python bindings"),
     signal.SIGBUS: ("bus error", "a memory-mapped file changed or shrank while it was read (the model file rewritten "
@@ -49,15 +56,13 @@ SIGNAL_CAUSES: dict[int, tuple[str, str]] = {
     signal.SIGFPE: ("arithmetic exception", "an integer division by zero inside the library"),
     signal.SIGKILL: ("killed", "by the kernel's out-of-memory killer or by another process"),
 }
-SIGILL_FIX = ("Rebuild llama.cpp for the portable baseline: `make setup` builds llama-cpp-python with GGML_NATIVE=OFF "
-              "(AVX2, FMA, F16C; no AVX-512, no AMX) into its own wheelhouse and installs it (docs/export.md, "
-              "Building llama.cpp); `orbitctl doctor` shows the CPU's ISA and the kernel's AMX state")
 
 
 class NativeCrash(OrbitError):
     """The child running native code died by a signal (or ran past its timeout): one line, the signal and its cause."""
 
-    def __init__(self, what: str, signum: int | None, *, stderr_tail: str = "", timeout: float | None = None) -> None:
+    def __init__(self, what: str, signum: int | None, *, stderr_tail: str = "", timeout: float | None = None,
+                 sigill_fix: str | None = None) -> None:
         self.what = what
         self.signum = signum
         self.stderr_tail = stderr_tail
@@ -74,7 +79,7 @@ class NativeCrash(OrbitError):
             reason = _abort_reason(stderr_tail) if signum == signal.SIGABRT else ""
             if reason:
                 message += f" ({reason})"
-            fix = SIGILL_FIX if signum == signal.SIGILL else None
+            fix = sigill_fix if signum == signal.SIGILL else None
         self.exit_code = EXIT_BAD_INPUT if signum == signal.SIGILL else EXIT_FAILED
         super().__init__(message, fix=fix)
 
@@ -105,18 +110,25 @@ def _locate(function: Callable) -> tuple[str, str | None, str]:
     return function.__module__, path, function.__qualname__
 
 
+def signal_death(what: str, returncode: int | None) -> str | None:
+    """``"WHAT died with SIGNAME (description): cause"`` for a child that ``returncode`` (subprocess's: minus the
+    signal) says a signal ended; None for an exit."""
+    return NativeCrash(what, -returncode).render() if returncode is not None and returncode < 0 else None
+
+
 def run_isolated(function: Callable, *args: Any, what: str = "native code", timeout: float | None = None,
-                 **kwargs: Any) -> Any:
-    """``function(*args, **kwargs)`` in a fresh interpreter: its result, its exception, or :class:`NativeCrash`."""
+                 sigill_fix: str | None = None, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)`` in a fresh interpreter: its result, its exception, or :class:`NativeCrash`
+    (``sigill_fix``: what it tells the user to do when the child died of SIGILL)."""
     target = _locate(function)
-    root = str(Path(__file__).resolve().parents[2])  # the directory holding the orbitctl package
+    root = str(Path(__file__).resolve().parents[1])  # the directory holding the orbitctl package
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     with tempfile.TemporaryDirectory(prefix="orbitctl-isolated-") as work:
         request, reply, stderr_path = Path(work, "request.pkl"), Path(work, "reply.pkl"), Path(work, "stderr.txt")
         request.write_bytes(pickle.dumps((target, args, kwargs)))
         with open(stderr_path, "w+b") as stderr:
-            proc = subprocess.Popen([sys.executable, "-m", "orbitctl.export.isolated", str(request), str(reply)],
+            proc = subprocess.Popen([sys.executable, "-m", "orbitctl.isolated", str(request), str(reply)],
                                     stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr, env=env)
             try:
                 code = proc.wait(timeout)
@@ -132,7 +144,7 @@ def run_isolated(function: Callable, *args: Any, what: str = "native code", time
             stderr.seek(0)
             tail = _tail(stderr.read())
         if code < 0:
-            raise NativeCrash(what, -code, stderr_tail=tail)
+            raise NativeCrash(what, -code, stderr_tail=tail, sigill_fix=sigill_fix)
         if not reply.exists():
             raise OrbitError(f"{what} exited with code {code} before returning a result: {_last_line(tail) or 'no output'}")
         status, payload, child_traceback = pickle.loads(reply.read_bytes())
