@@ -173,7 +173,7 @@ class _Chooser:
             "rl": {"algorithm": "grpo", "group_size": GROUP_SIZE, "prompts_per_step": self._prompts(),
                    "steps": 200, "warmup_steps": 10},
             "rollout": {"max_new_tokens": seq * 3 // 4},
-            "data": {"train": str(Path(data).expanduser().resolve()) if data else "data/train.jsonl",
+            "data": {"train": _data_path(data),
                      "reward": "math"},
         }
 
@@ -341,3 +341,13 @@ def _scalar(value: Any) -> str:
 
     text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
     return text[:-4].strip() if text.endswith("\n...") else text
+
+
+def _data_path(data: str | None) -> str:
+    """data.train as written: a file made absolute (the profile may be used from elsewhere); a builtin task or an
+    environment (``builtin:NAME``, ``env:NAME``) as given; none: the file train then asks for."""
+    if not data:
+        return "data/train.jsonl"
+    if data.startswith(("builtin:", "env:")):
+        return data
+    return str(Path(data).expanduser().resolve())

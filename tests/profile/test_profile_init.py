@@ -151,3 +151,10 @@ def test_init_passes_its_options_to_the_library(monkeypatch, tmp_path, capsys):
                  "--name", "n", "--out", "x.yaml", "--json"]) == 0
     assert seen == {"model": "/m", "gpu": "h200", "gpus": 4, "out": "x.yaml", "nodes": 2, "data": "d.jsonl", "name": "n"}
     assert json.loads(capsys.readouterr().out)["choices"]["adapter.rank"] == {"value": 8, "why": "why"}
+
+
+def test_a_builtin_task_or_environment_is_kept_as_given(tmp_path):
+    from orbitctl.plan.profile_init import _data_path
+
+    assert _data_path("builtin:facts") == "builtin:facts" and _data_path("env:guess") == "env:guess"
+    assert _data_path(str(tmp_path / "x.jsonl")) == str(tmp_path / "x.jsonl") and _data_path(None) == "data/train.jsonl"
