@@ -106,12 +106,12 @@ def test_rehearsal_names_each_planted_host_tensor(tmp_path):
             '        dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, group=self.group)\n'
             '        return int(t.item())')],
         "rl/trainer.py": [(
-            '    n, r_sum, r_sq, correct, length_sum = reduce_scalars([',
+            '    n, r_sum, r_sq, correct, length_sum, valid, calls = reduce_scalars([',
             '    import torch\n'
             '    import torch.distributed as dist\n'
             '    planted = torch.tensor([float(batch.size)], dtype=torch.float64)\n'
             '    dist.all_reduce(planted)\n'
-            '    n, r_sum, r_sq, correct, length_sum = reduce_scalars([')],
+            '    n, r_sum, r_sq, correct, length_sum, valid, calls = reduce_scalars([')],
         "model/draws.py": [(
             'target = self.uniforms(step).to(cdf.device, non_blocking=True) * cdf[:, -1]',
             'target = self.uniforms(step) * cdf[:, -1]')],

@@ -1,4 +1,4 @@
-"""Environment checks: NCCL variables, /dev/shm, MASTER_PORT, allocator config, host RAM."""
+"""Environment checks: NCCL variables, /dev/shm, MASTER_PORT, allocator config, host RAM, stale op-build locks."""
 
 from __future__ import annotations
 
@@ -130,3 +130,16 @@ def host_ram(s: Snapshot, ctx: CheckContext) -> Outcome:
                        "Stop other jobs on the node, or reduce offload (memory.offload_optimizer / offload_params)")
     return Outcome(PASS, ev)
 
+
+
+@check("env.build_locks", "host", "no op build lock left by a killed build")
+def env_build_locks(s: Snapshot, ctx: CheckContext) -> Outcome:
+    locks = s.host.stale_build_locks
+    if locks is None:
+        return Outcome(UNKNOWN, ["the JIT extension build directories were not looked at"])
+    if not locks:
+        return Outcome(PASS, ["no lock file that no process holds under the JIT extension build directories"])
+    return Outcome(WARN, [f"{lock}: no process holds it; a DeepSpeed op build (every train's process group on a CPU) "
+                          f"waits for it forever" for lock in locks]
+                   + ["orbitctl train removes such a lock itself before it starts its process group"],
+                   "rm " + " ".join(locks))

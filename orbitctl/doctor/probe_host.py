@@ -122,6 +122,9 @@ def probe_host() -> Host:
         if m:
             setattr(host, attr, int(m.group(1)) * KiB)  # /proc/meminfo's kB are KiB
     host.acs_enabled_bridges = probe_acs()
+    from orbitctl.dist.build_locks import stale_build_locks
+
+    host.stale_build_locks = [str(lock) for lock in stale_build_locks()]
     return host
 
 

@@ -192,6 +192,9 @@ class Host(Part):
     """PCI bridges with ACS source validation on (lspci -vvv, root only); None = not seen."""
     cpu: Cpu = Field(default_factory=Cpu)
     """The CPU model and ISA flags (/proc/cpuinfo)."""
+    stale_build_locks: list[str] | None = None
+    """Op-build lock files that no process holds (orbitctl.dist.build_locks): each makes the next DeepSpeed op build,
+    and so the next train, wait forever; None = not looked."""
 
 
 class KernelLog(Part):

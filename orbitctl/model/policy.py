@@ -368,7 +368,7 @@ class Policy:
                     ids, m = (prompt_ids[admit], prompt_mask[admit]) if admit else self.filler()
                     ids, m = ids.to(device), m.to(device)
                     fresh = new_kv_cache(kv, self.model.config, max_new_tokens)
-                    _, new_cache, new_logits, routes = self._prefill(ids, m, fresh)
+                    new_cache, new_logits, routes = self._prefill(ids, m, fresh)[1:]
                     if admit:
                         if routes is not None:
                             prompt_routes[admit] = routes
@@ -382,6 +382,7 @@ class Policy:
                             position = torch.cat([position, m.sum(-1, keepdim=True)])
                             logits = torch.cat([logits, new_logits])
                         active += admit
+                    new_logits = None  # not held through the decode steps that follow
                 if self.lockstep.all_done(not active and not waiting):
                     break
                 if active:
@@ -414,6 +415,7 @@ class Policy:
                             not forced_mask[r, t + 1:].any() if forced is not None else chosen[i] == self.eos_id)
                         if not ended:
                             going.append(i)
+                    host_dist = host_raw = None  # copied into the rows: not held through the next step's sampling
                     if len(going) < len(active):  # finished rows leave the batch: their cache rows, mask, positions
                         index = torch.tensor(going, dtype=torch.long, device=device)
                         cache.batch_select_indices(index)

@@ -25,7 +25,7 @@ from orbitctl.plan.result import MemoryPlan
 from orbitctl.plan.states import model_states
 from orbitctl.plan.timing import step_time
 from orbitctl.plan.storage import BaseStorage, base_storage, quant_format
-from orbitctl.units import GiB
+from orbitctl.units import GiB, MiB
 
 CUDA_CONTEXT = int(0.5 * GiB)
 """Context + kernels with lazy module loading (1.3 GB measured without it)."""
@@ -38,6 +38,16 @@ baseline train measures from): the Python modules that building the model import
 PEFT, 0.16 GiB measured with transformers 5.24 / PEFT 0.21), the modules' Python objects, the DeepSpeed engine,
 gloo, the OpenMP pool and oneDNN's JIT kernels for the matmul shapes a step runs. The CPU rank's counterpart of
 ``cuda_context``; measured, not derived (docs/plan.md)."""
+CPU_MATMUL_KERNEL_BYTES = int(0.6 * MiB)
+"""What one bf16 matmul shape costs a CPU rank whose bf16 matmuls run on oneDNN (a CPU with native bf16): oneDNN's
+primitive cache and torch's ideep cache each keep the shape's JIT kernel, 0.32 and 0.26 MiB measured whatever the
+weight's size (torch 2.13, AVX512-BF16), one entry per distinct (rows, in, out), up to 1024 entries each. fp32
+matmuls run on MKL, which keeps none; on a CPU without native bf16, bf16 matmuls are emulated and keep none either."""
+CPU_MATMUL_ROW_COUNTS = 14
+"""The row counts each matmul weight shape meets over a run: the prefill's width, the decode batch as its rows finish
+and leave it, the update's widths and the backward's forms. Measured on profiles/smollm2-135m-cpu.yaml in bf16: 127
+distinct bf16 matmuls over its 10 weight shapes by step 8 (rollout and update), more with the held-out evaluation's
+generate; the resident set's rise between the first and the eleventh step's rollout followed them (0.6 MiB each)."""
 INT4_WORKSPACE_BYTES = 4 + 4
 """Per element of the largest INT4 matrix, the CPU dequantization workspace's int32 codes and float32 values
 (orbitctl.model.quant_linear.int4_workspace); the result in the compute dtype comes on top unless it is fp32."""
@@ -96,6 +106,31 @@ def _inputs(arch_key: Same, quant: Values, model_dtype: str, adapter: Values) ->
 
 def gpu_capacity(profile, override: int | None = None) -> int:
     return int(override) if override is not None else profile.hardware.memory_bytes()
+
+
+def matmul_shapes(arch: ArchSpec, adapters: AdapterPlan) -> int:
+    """Distinct (out, in) shapes of the matmuls a step runs: the decoder's linear weights (the routed experts' once),
+    the output layer, and the adapters' factors (LoRA: in -> r and r -> out of every adapted weight; the bottleneck
+    adapter: h -> r and r -> h)."""
+    linear = list(arch.linear_weights())
+    shapes = {w.shape[-2:] for _, w in linear} | {(arch.vocab_size, arch.hidden_size)}
+    r = adapters.rank
+    if adapters.kind == "bottleneck":
+        shapes |= {(r, arch.hidden_size), (arch.hidden_size, r)}
+    else:
+        for i, w in linear:
+            if adapters.adapted_in(i, w.name):
+                shapes |= {(r, w.shape[-1]), (w.shape[-2], r)}
+    return len(shapes)
+
+
+def cpu_matmul_kernels(profile, arch: ArchSpec, adapters: AdapterPlan) -> float:
+    """Bytes a CPU rank computing in bf16 keeps of oneDNN's and ideep's per-shape kernels (0 on a GPU and in fp32):
+    :func:`matmul_shapes` x :data:`CPU_MATMUL_ROW_COUNTS` kernels of :data:`CPU_MATMUL_KERNEL_BYTES`, at most the
+    caches' 1024 entries each."""
+    if profile.hardware.gpu != "cpu" or profile.quant.compute_dtype not in ("bf16", "auto"):  # auto: bf16 here
+        return 0.0
+    return float(min(matmul_shapes(arch, adapters) * CPU_MATMUL_ROW_COUNTS, 1024) * CPU_MATMUL_KERNEL_BYTES)
 
 
 def _kv_cache(profile, arch: ArchSpec, mb: int) -> tuple[float, int]:
@@ -236,6 +271,7 @@ def evaluate(profile, inp: Inputs, *, gpu_memory_bytes: int | None = None,
     fixed = {
         "cuda_context": CUDA_CONTEXT if on_gpu else 0,
         "cpu_runtime": 0 if on_gpu else CPU_RANK_RUNTIME,
+        "cpu_matmul_kernels": int(cpu_matmul_kernels(profile, arch, ad)),
         "nccl": communicators * NCCL_PER_COMMUNICATOR if on_gpu else 0,
         "zero_buckets": int(OVERLAP_COMM_FACTOR * 2 * min(arch.hidden_size ** 2, ad.trainable_params))
         if (mem.zero_stage > 0 and world > 1) else 0,

@@ -12,6 +12,8 @@ PHASES = ("policy_update", "rollout", "adapter_sync")
 COMPONENTS = {
     "cuda_context": "CUDA context, kernels and cuBLAS workspace",
     "cpu_runtime": "CPU rank: modules imported to build the model, DeepSpeed engine, gloo, thread pools, oneDNN kernels",
+    "cpu_matmul_kernels": "CPU rank computing in bf16: oneDNN's and ideep's JIT kernel of every bf16 matmul shape a "
+                          "run meets (weight shapes x the row counts each meets)",
     "nccl": "NCCL communicator buffers",
     "zero_buckets": "DeepSpeed reduce buckets (overlap_comm)",
     "base_weights": "frozen dense base (all but the routed experts), stored format: replicated or ZeRO-3 shard",

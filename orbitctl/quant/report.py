@@ -200,6 +200,7 @@ def quant_summary(quantized_dir: Path) -> str | None:
     rel = sum(k.get("rel_fro_error", 0.0) * k.get("params", 0) for k in kinds.values()) / params
     fmt = report.get("format")
     fmt = fmt.get("format") if isinstance(fmt, dict) else fmt
+    bits = report.get("bits_per_weight_quantized")  # None when nothing was quantized (format none)
     return (f"{fmt}: {report.get('quantized_params', 0):,} weights quantized, "
-            f"{report.get('bits_per_weight_quantized', 0):.2f} bits/weight, relative error {rel:.3f} "
+            f"{'-' if bits is None else f'{bits:.2f}'} bits/weight, relative error {rel:.3f} "
             f"({report_file})")

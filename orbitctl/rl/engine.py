@@ -62,6 +62,9 @@ def ensure_process_group() -> tuple[int, int]:
     import torch.distributed as dist
 
     if not dist.is_initialized():
+        from orbitctl.dist.build_locks import clear_stale_build_locks
+
+        clear_stale_build_locks()  # a killed op build's lock would keep init_distributed waiting forever
         if "RANK" not in os.environ:
             launcher_env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                             "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),

@@ -116,6 +116,8 @@ def test_evidence_names_the_bad_gpu_and_fix_is_concrete():
      "xid.recent", FAIL),
     (lambda s: s.env.pop("PYTORCH_CUDA_ALLOC_CONF"), "env.alloc", INFO),
     (lambda s: setattr(s.torch, "device_count", 7), "gpu.count", FAIL),
+    (lambda s: setattr(s.host, "stale_build_locks", ["/root/.cache/torch_extensions/py311_cpu/deepspeed_shm_comm/lock"]),
+     "env.build_locks", WARN),
 ])
 def test_single_fault(mutate, check_id, status):
     snap = _healthy()

@@ -24,3 +24,20 @@ def demo_base(model_cache):
 
     profile = load_profile(DEMO)
     return prepare_frozen_base(profile, load_prompts(profile.data, profile.run.seed).warm_task)
+
+
+@pytest.fixture
+def eval_json():
+    """``eval_json(*args)``: ``orbitctl eval ARGS --json`` through the CLI, checked to exit 0; its JSON document."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from orbitctl.cli.app import app
+
+    def run(*args: str) -> dict:
+        result = CliRunner().invoke(app, ["eval", *args, "--json"])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    return run

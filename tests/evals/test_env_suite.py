@@ -3,28 +3,21 @@
 import json
 
 import pytest
-from typer.testing import CliRunner
 
-from orbitctl.cli.app import app, main
+from orbitctl.cli.app import main
 
 pytest.importorskip("torch")
 
 ENV = ["--set", "data.train=env:guess", "--set", "rollout.max_turns=4"]
 
 
-def _run(*args: str) -> dict:
-    result = CliRunner().invoke(app, ["eval", *args, "--json"])
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
-
-
-def test_a_completion_rate_with_its_interval_on_the_held_out_seeds(profile_yaml, demo_base, tmp_path):
+def test_a_completion_rate_with_its_interval_on_the_held_out_seeds(profile_yaml, demo_base, tmp_path, eval_json):
     from orbitctl.profile import load_profile
     from orbitctl.rl.envs import environment, held_out_seeds
 
     profile = profile_yaml()
     out = tmp_path / "episodes.jsonl"
-    doc = _run(str(profile), *ENV, "--suite", "env:guess", "--limit", "12", "--out", str(out))
+    doc = eval_json(str(profile), *ENV, "--suite", "env:guess", "--limit", "12", "--out", str(out))
     assert doc["metric"] == "completion" and doc["grader"] == "environment" and doc["format"] == "episodes"
     assert doc["tasks"] == 12 and doc["samples"] == 12 and doc["sampling"]["max_turns"] == 4
     score = doc["scores"]["pass@1"]
@@ -45,8 +38,8 @@ def test_a_completion_rate_with_its_interval_on_the_held_out_seeds(profile_yaml,
     assert all(1 <= r["turns"] <= 4 and r["transcript"] for r in rows)
 
 
-def test_pass_at_k_over_sampled_episodes(profile_yaml, demo_base):
-    doc = _run(str(profile_yaml()), *ENV, "--suite", "env:guess", "--limit", "4", "--samples", "3", "--k", "1",
+def test_pass_at_k_over_sampled_episodes(profile_yaml, demo_base, eval_json):
+    doc = eval_json(str(profile_yaml()), *ENV, "--suite", "env:guess", "--limit", "4", "--samples", "3", "--k", "1",
                "--k", "3")
     assert doc["samples"] == 12 and doc["samples_per_task"] == 3 and doc["sampling"]["temperature"] == 0.8
     assert set(doc["scores"]) == {"pass@1", "pass@3"}

@@ -43,13 +43,7 @@ def adapter_dir(tmp_path, profile_yaml):
     return path
 
 
-def _run(*args: str) -> dict:
-    result = CliRunner().invoke(app, ["eval", *args, "--json"])
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
-
-
-def test_base_accuracy_is_the_trainers_greedy_eval(tmp_path, profile_yaml, mod3_file):
+def test_base_accuracy_is_the_trainers_greedy_eval(tmp_path, profile_yaml, mod3_file, eval_json):
     from orbitctl.data.prompts import read_jsonl
     from orbitctl.evals.runner import build_policy
     from orbitctl.model.adapters import adapters_disabled
@@ -60,7 +54,7 @@ def test_base_accuracy_is_the_trainers_greedy_eval(tmp_path, profile_yaml, mod3_
 
     profile = profile_yaml()
     out = tmp_path / "graded.jsonl"
-    doc = _run(str(profile), "--suite", str(mod3_file), "--out", str(out))
+    doc = eval_json(str(profile), "--suite", str(mod3_file), "--out", str(out))
     assert doc["metric"] == "accuracy" and doc["grader"] == "builtin" and doc["mode"] == "generate"
     assert doc["tasks"] == HELD_OUT and doc["samples"] == HELD_OUT and doc["samples_per_task"] == 1
     assert doc["sampling"]["temperature"] == 0.0 and doc["adapter"] is None
@@ -79,11 +73,12 @@ def test_base_accuracy_is_the_trainers_greedy_eval(tmp_path, profile_yaml, mod3_
     assert len(rows) == HELD_OUT and sum(r["passed"] for r in rows) == round(accuracy * HELD_OUT)
 
 
-def test_adapter_changes_what_is_generated(tmp_path, profile_yaml, mod3_file, adapter_dir):
+def test_adapter_changes_what_is_generated(tmp_path, profile_yaml, mod3_file, adapter_dir, eval_json):
     profile = str(profile_yaml())
     base_out, tuned_out = tmp_path / "base.jsonl", tmp_path / "tuned.jsonl"
-    base = _run(profile, "--suite", str(mod3_file), "--samples", "4", "--k", "1", "--k", "4", "--out", str(base_out))
-    tuned = _run(profile, "--suite", str(mod3_file), "--samples", "4", "--k", "1", "--k", "4",
+    base = eval_json(profile, "--suite", str(mod3_file), "--samples", "4", "--k", "1", "--k", "4",
+                     "--out", str(base_out))
+    tuned = eval_json(profile, "--suite", str(mod3_file), "--samples", "4", "--k", "1", "--k", "4",
                  "--adapter", str(adapter_dir), "--out", str(tuned_out))
     for doc in (base, tuned):
         assert doc["samples"] == 4 * HELD_OUT and doc["samples_per_task"] == 4 and doc["tasks"] == HELD_OUT
@@ -96,7 +91,7 @@ def test_adapter_changes_what_is_generated(tmp_path, profile_yaml, mod3_file, ad
     assert completions[0] != completions[1]
     # the same request draws the same completions (keyed draws, not the batch)
     again = tmp_path / "again.jsonl"
-    _run(profile, "--suite", str(mod3_file), "--samples", "4", "--k", "1", "--out", str(again),
+    eval_json(profile, "--suite", str(mod3_file), "--samples", "4", "--k", "1", "--out", str(again),
          "--set", "rollout.batch_size=5")
     assert [json.loads(line)["completion"] for line in again.read_text().splitlines()] == completions[0]
 

@@ -11,7 +11,8 @@ from orbitctl.profile.gpus import resolve_gpu
 
 PROFILES = ["deepseek-v3_grpo_int4_8xh200", "kimi-k2_grpo_int4_8xb200", "kimi-k2_grpo_int4_8xh200",
             "llama-3.1-70b_grpo_qlora-nf4_2x24g", "llama-3.1-8b_grpo_qlora-nf4_1x24g",
-            "qwen3-235b-a22b_grpo_int4_8xh100", "smollm2-135m-cpu", "tiny-cpu", "tiny-cpu-http", "tiny-moe-cpu"]
+            "qwen3-235b-a22b_grpo_int4_8xh100", "smollm2-135m-agent-cpu", "smollm2-135m-cpu",
+            "tiny-cpu", "tiny-cpu-http", "tiny-moe-cpu"]
 
 
 def _profile(repo, name, **change):

@@ -120,3 +120,17 @@ def test_an_interrupted_report_leaves_the_previous_one_or_none(make_run, monkeyp
     write_report([run])  # a complete rerun replaces the old report
     assert json.loads((run / "report" / "summary.json").read_text())["runs"][0]["steps"]["logged"] == 5
 
+
+
+def test_an_episode_run_gets_the_completion_and_tool_call_figure(make_run, planted):
+    from orbitctl.report.figures import draw_episodes
+
+    records = [{**planted.record(s), "tool_call_valid_rate": 0.5 + s / 100,
+                **({"eval_tool_call_valid_rate": 0.7} if s % 10 == 0 else {})} for s in range(1, planted.STEPS + 1)]
+    run = make_run("agent", records, **{"data.train": "env:guess", "rollout.max_turns": 4})
+    report = write_report([run])
+    assert report.files[len(FIGURES)] == "episodes.png" and (report.out / "episodes.png").is_file()
+    texts = " ".join(_texts(draw_episodes(load_runs([run]))))
+    assert "agent: held-out greedy" in texts and "agent: rollouts" in texts and "not logged" not in texts
+    plain = write_report([make_run("prompts")])  # a run on prompts: no episode figure
+    assert "episodes.png" not in plain.files

@@ -5,8 +5,6 @@ differently from the one being generated (it drops everything up to ``</think>``
 specification of its own. A conversation rendered again at every turn would not be what the sampler saw.
 """
 
-import importlib.util
-from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -48,21 +46,9 @@ def _say_game():
 
 
 @pytest.fixture(scope="module")
-def chat_policy(tmp_path_factory):
+def chat_policy(tiny_env_policy):
     """The tiny demo policy (fp32, random adapters) under the test's chat template."""
-    from orbitctl.builder import load_policy, prepare_frozen_base
-    from orbitctl.data.prompts import PromptSplit
-    from orbitctl.model.adapters import randomize_adapters
-    from orbitctl.profile import load_profile
-
-    spec = importlib.util.spec_from_file_location("train_conftest", Path(__file__).with_name("conftest.py"))
-    conftest = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(conftest)
-    fp32 = {"quant.compute_dtype": "fp32", "adapter.dtype": "fp32"}
-    profile = load_profile(conftest.small_profile_yaml(tmp_path_factory.mktemp("chat"), "chat",
-                                                       **{"data.train": "env:guess", "rollout.max_turns": 3}, **fp32))
-    policy = load_policy(profile, prepare_frozen_base(profile, PromptSplit([], [], None).warm_task))
-    randomize_adapters(policy.model, seed=0, std=0.05)
+    _, policy = tiny_env_policy("chat", **{"data.train": "env:guess", "rollout.max_turns": 3})
     policy.tokenizer.chat_template = TEMPLATE
     policy.chat_template = True
     return policy

@@ -1,6 +1,5 @@
 """Multi-turn rollouts: the environments' rules, masks on environment tokens, their zero gradient, a run."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -61,8 +60,9 @@ def test_episode_split_holds_out_seeds_and_refuses_what_it_cannot_use(small_prof
         episode_split(GuessDigit, data.model_copy(update={"eval": "x.jsonl"}), 0)
     with pytest.raises(UserError, match="data.reward"):
         episode_split(GuessDigit, data.model_copy(update={"reward": "math"}), 0)
-    with pytest.raises(UserError, match="data.chat_template"):
-        episode_split(GuessDigit, data.model_copy(update={"chat_template": True}), 0)
+    # a plain-text game plays in chat form too; a tool game needs it (tests/train/test_household.py)
+    chat = episode_split(GuessDigit, data.model_copy(update={"chat_template": True}), 0)
+    assert [it.seed for it in chat.eval] == [it.seed for it in split.eval]
 
 
 def test_textworld_quest_is_generated_from_the_seed_and_won_by_its_walkthrough(tmp_path, monkeypatch):
@@ -87,24 +87,12 @@ def test_textworld_quest_is_generated_from_the_seed_and_won_by_its_walkthrough(t
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(profile, policy) of the tiny demo model, with random adapters so every context token matters."""
-    from orbitctl.builder import load_policy, prepare_frozen_base
-    from orbitctl.model.adapters import randomize_adapters
-    from orbitctl.profile import load_profile
+def tiny(tiny_env_policy):
+    """(profile, policy, split) of the tiny demo model, with random adapters so every context token matters."""
     from orbitctl.rl.envs import environment, episode_split
 
-    spec = importlib.util.spec_from_file_location("train_conftest", Path(__file__).with_name("conftest.py"))
-    conftest = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(conftest)
-    # fp32: the two paths then agree to rounding, whatever the sequence lengths (bf16 kernels move a log-prob
-    # by up to ~0.02 when the same tokens come in a longer, padded sequence)
-    fp32 = {"quant.compute_dtype": "fp32", "adapter.dtype": "fp32"}
-    profile = load_profile(conftest.small_profile_yaml(tmp_path_factory.mktemp("multiturn"), "mt", **ENV_RUN, **fp32))
-    split = episode_split(environment(profile.data.train), profile.data, profile.run.seed)
-    policy = load_policy(profile, prepare_frozen_base(profile, split.warm_task))
-    randomize_adapters(policy.model, seed=0, std=0.05)
-    return profile, policy, split
+    profile, policy = tiny_env_policy("multiturn", **ENV_RUN)
+    return profile, policy, episode_split(environment(profile.data.train), profile.data, profile.run.seed)
 
 
 def _collect(policy, split, batch_size: int):

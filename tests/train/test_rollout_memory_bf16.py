@@ -68,7 +68,7 @@ def test_the_bf16_rollout_holds_over_the_vocabulary_what_the_plan_counts(profile
 
     path = profile_yaml(f"bf16-rollout-{continuous}", **{
         "quant.compute_dtype": "bf16", "adapter.dtype": "bf16", "rl.prompts_per_step": 4, "rl.group_size": 8,
-        "rollout.batch_size": 32, "rollout.max_new_tokens": 4, "memory.micro_batch_size": 32, "memory.seq_len": 16,
+        "rollout.batch_size": 32, "rollout.max_new_tokens": 16, "memory.micro_batch_size": 32, "memory.seq_len": 32,
         "rollout.continuous_batching": continuous, "rl.align_loss": {"kind": "kl", "weight": 0.1}})
     profile = resolve_rollout_batch(load_profile(str(path)))
     split = load_prompts(profile.data, profile.run.seed)
@@ -80,6 +80,7 @@ def test_the_bf16_rollout_holds_over_the_vocabulary_what_the_plan_counts(profile
     assert kept > 0  # the align loss is a KL: the rollout keeps the infer distribution
     planned = sampling_bytes(profile, arch, seqs) + seqs * kept
     items = split.train[:profile.rl.prompts_per_step]
+    policy.eos_id = -1  # no row ends early: every step's distribution is kept, the full width the plan counts
     with VocabTensors(arch.vocab_size) as tracked:  # keyed draws, as train samples
         batch = collect(policy, items, make_reward(profile.data.reward, split.task), group_size=profile.rl.group_size,
                         batch_size=seqs, max_new_tokens=profile.rollout.max_new_tokens, temperature=1.0, top_p=1.0,
@@ -87,5 +88,6 @@ def test_the_bf16_rollout_holds_over_the_vocabulary_what_the_plan_counts(profile
                         keys=(profile.run.seed, tuple(range(len(items)))))
     assert batch.infer_dist is not None and batch.infer_dist.dtype == torch.float32
     assert batch.infer_dist.shape == (seqs, batch.completion_ids.shape[1], arch.vocab_size)
-    # held twice (the steps' rows beside their stacked copy) this was 1.3x the plan here
-    assert 0.8 * planned <= tracked.peak <= 1.1 * planned, (tracked.peak, planned)
+    assert batch.infer_dist.shape[1] == profile.rollout.max_new_tokens
+    # held twice (the steps' rows beside the tensor they were stacked or copied into) this was 1.36x the plan here
+    assert 0.9 * planned <= tracked.peak <= 1.05 * planned, (tracked.peak, planned)

@@ -2,13 +2,14 @@
 
 ``env:household`` mixes the six kinds at level 1; ``env:household-KIND`` (pick, light, clean, heat, cool, pick2)
 plays one kind, ``env:household-KIND-LEVEL`` (or ``env:household-LEVEL``) one level of 1-3
-(:mod:`.household_world` generates the games). The first observation is the task and the start room; each
+(:mod:`.household_world` generates the games). The first observation is the task and the start room, and every
+observation ends with the calls that would do something there ("Possible calls: take(mug), go(kitchen)."); each
 action is one call of the game's tools (``go``, ``open``, ``take``, ``put``, ``look``, and the kind's own:
 ``clean``, ``heat``, ``cool`` or ``use``); the reward is 1 when the task is done, which ends the episode.
 
     env = environment("env:household-clean-1")()
     env.reset(4)    # 'Your task is to: put a clean spoon in the cabinet.\\nYou are in the kitchen. ...'
-    env.call("take", {"object": "spoon", "receptacle": "countertop"})   # ('You take the spoon from ...', 0.0, False)
+    env.call("take", {"object": "spoon"})   # ('You take the spoon from the countertop.\\n...', 0.0, False)
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ _OBJECT = {"object": "string"}
 BASE_TOOLS = (
     Tool("go", "Walk to another room.", {"room": "string"}),
     Tool("open", "Open a closed receptacle in this room.", {"receptacle": "string"}),
-    Tool("take", "Pick up an object from the receptacle it is on or in (you hold one at a time).",
-         {"object": "string", "receptacle": "string"}),
+    Tool("take", "Pick up an object you can see (you hold one at a time).", _OBJECT),
     Tool("put", "Put the object you hold on or in a receptacle of this room.", {"object": "string",
                                                                                   "receptacle": "string"}),
     Tool("look", "Describe this room again."),
@@ -64,7 +64,7 @@ class HouseholdQuest(Environment):
     seed_pool: ClassVar[int] = 10_000
     tools: ClassVar[tuple[Tool, ...]] = BASE_TOOLS + tuple(KIND_TOOLS.values())
     system: ClassVar[str] = "You are a household robot in a small house. Do the task you are given."
-    example: ClassVar[tuple[str, dict]] = ("take", {"object": "apple", "receptacle": "countertop"})
+    example: ClassVar[tuple[str, dict]] = ("take", {"object": "apple"})
 
     @classmethod
     def variant(cls, options: str) -> type[Environment]:
@@ -121,10 +121,10 @@ class HouseholdQuest(Environment):
     def _receptacle(self, name: str) -> tuple[str, str] | None:
         return (self.here, name) if any(r == name for r, _ in ROOMS[self.here]) else None
 
-    def _visible(self, name: str, receptacle: str) -> tuple[tuple[str, str], _Item] | None:
-        """An object of that name in sight on ``receptacle``: one the player has not put down, where there is one."""
-        spot = (self.here, receptacle)
-        seen = [(spot, item) for item in self.contents.get(spot, []) if item.name == name and spot not in self.closed]
+    def _visible(self, name: str) -> tuple[tuple[str, str], _Item] | None:
+        """An object of that name in sight: one the player has not put down, where there is such a one."""
+        seen = [(spot, item) for spot in ((self.here, rec) for rec, _ in ROOMS[self.here]) if spot not in self.closed
+                for item in self.contents.get(spot, []) if item.name == name]
         return min(seen, key=lambda found: "placed" in found[1].states, default=None)
 
     def _won(self) -> bool:
@@ -150,7 +150,7 @@ class HouseholdQuest(Environment):
         open_here = [rec for rec, _ in ROOMS[self.here] if (self.here, rec) not in self.closed]
         calls += [f"open({rec})" for rec, _ in ROOMS[self.here] if (self.here, rec) in self.closed]
         if self.held is None:
-            calls += [f"take({item.name}, {rec})" for rec in open_here for item in self.contents.get((self.here, rec), [])]
+            calls += [f"take({item.name})" for rec in open_here for item in self.contents.get((self.here, rec), [])]
         else:
             calls += [f"put({self.held.name}, {rec})" for rec in open_here]
             calls += [f"{kind}({self.held.name})" for kind, appliance in APPLIANCE.items()
@@ -179,12 +179,12 @@ class HouseholdQuest(Environment):
         items = [i.name for i in self.contents.get(spot, [])]
         return f"You open the {receptacle}. " + (f"In it: {_listed(items)}." if items else "It is empty.")
 
-    def _take(self, object: str, receptacle: str) -> str:  # noqa: A002 - the tool's argument name
+    def _take(self, object: str) -> str:  # noqa: A002 - the tool's argument name
         if self.held is not None:
             return f"You already hold the {self.held.name}. Put it somewhere first."
-        found = self._visible(object, receptacle)
+        found = self._visible(object)
         if found is None:
-            return f"You see no {object} on or in a {receptacle} here."
+            return f"You see no {object} here."
         spot, item = found
         self.contents[spot].remove(item)
         self.held = item

@@ -18,7 +18,7 @@ somewhere other than the start, and more objects around it. The same seed always
 
     quest = make_quest(12, kind="clean", level=2)
     quest.goal          # 'put a clean spoon in the drawer'
-    quest.walkthrough   # [('go', {'room': 'kitchen'}), ('take', {'object': 'spoon', 'receptacle': ...}), ...]
+    quest.walkthrough   # [('go', {'room': 'kitchen'}), ('take', {'object': 'spoon'}), ...]
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def walkthrough(quest: Quest, spots: list[tuple[str, str]]) -> list[tuple[str, d
     for spot in spots:
         go(spot[0])
         open_(spot)
-        steps.append(("take", {"object": quest.object, "receptacle": spot[1]}))
+        steps.append(("take", {"object": quest.object}))
         if quest.kind in APPLIANCE:
             appliance = APPLIANCE[quest.kind]
             go(here if any(r == appliance for r, _ in ROOMS[here]) else _room_of(quest, appliance))

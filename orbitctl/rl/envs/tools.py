@@ -10,8 +10,8 @@ Qwen3, SmolLM3, Hermes)::
 
 The tags may be left out (a bare JSON object is one call too). :func:`parse_tool_call` returns the call, or a
 :class:`ToolCallError` whose message is what the environment answers instead of playing anything: bad JSON, an
-unknown tool, a missing or unexpected argument, an argument of the wrong type, or text outside the call. A
-malformed call never ends an episode and never raises.
+unknown tool, a missing argument, an argument of the wrong type, or text outside the call (arguments the tool
+does not declare are dropped). A malformed call never ends an episode and never raises.
 
     tools = (Tool("go", "Walk to a room.", {"room": "string"}),)
     parse_tool_call('{"name": "go", "arguments": {"room": "kitchen"}}', tools)   # ToolCall('go', {...})
@@ -114,14 +114,12 @@ def check_call(value: dict, tools: tuple[Tool, ...]) -> ToolCall | ToolCallError
     missing = [a for a in tool.arguments if a not in arguments]
     if missing:
         return ToolCallError("missing_argument", f"Error: {tool.name} needs the argument '{missing[0]}'.")
-    unexpected = [a for a in arguments if a not in tool.arguments]
-    if unexpected:
-        return ToolCallError("bad_argument", f"Error: {tool.name} takes no argument '{unexpected[0]}'.")
     wrong = [a for a, kind in tool.arguments.items() if not isinstance(arguments[a], JSON_TYPES[kind])]
     if wrong:
         return ToolCallError("bad_argument", f"Error: {tool.name}'s argument '{wrong[0]}' must be a "
                                              f"{tool.arguments[wrong[0]]}.")
-    return ToolCall(tool.name, dict(arguments))
+    # arguments the tool does not declare are left out, as OpenAI-style servers drop unknown fields
+    return ToolCall(tool.name, {a: arguments[a] for a in tool.arguments})
 
 
 def format_call(name: str, arguments: dict) -> str:
