@@ -20,7 +20,7 @@ failed. The whole run keeps within ``--budget`` seconds (420 by default: under 8
 
 Steps (GPU; ``--cpu-rehearsal`` runs the variant in brackets):
 
-- ``grouped``: the grouped INT4 Triton kernel (orbitctl.model.grouped_int4) at one GPU's share of a Kimi-K2 MoE layer:
+- ``grouped``: the grouped INT4 Triton kernel (orbitctl.kernels.grouped_int4) at one GPU's share of a Kimi-K2 MoE layer:
   48 local experts (384 / expert parallelism 8), hidden 7168, expert width 2048 (gate and up stacked: N = 4096 over
   K = 7168; down: N = 7168 over K = 2048), INT4 groups of 32; rows of a decode step (36 sequences x top-8 = 288
   slots) and of an update (4,096 tokens x 8). Pass: max|kernel - dequantized reference| / max|reference| <= 2^-7 for
@@ -40,7 +40,7 @@ Steps (GPU; ``--cpu-rehearsal`` runs the variant in brackets):
   tensor, an all_reduce captured in a CUDA graph and replayed, and an all_reduce of a CPU tensor refused with "No
   backend type associated with device type cpu", as orbitctl.dist.rehearsal predicts. [Under the rehearsal's
   8-rank fake cuda-only group.]
-- ``tinygemm``: CUDA's weight-only INT4 kernel (aten._weight_int4pack_mm, orbitctl.model.int4_kernel.Int4Pack) on a
+- ``tinygemm``: CUDA's weight-only INT4 kernel (aten._weight_int4pack_mm, orbitctl.kernels.int4_kernel.Int4Pack) on a
   K2 expert weight (N = 2048, K = 7168, group 32) at 36 and 4,096 rows, against its CPU twin (the same pack on the
   CPU: PyTorch's CPU kernel or orbitctl's AVX512-BF16 one, which compute the same function) and beside a dense bf16
   GEMM. Pass: relative difference <= 2^-7 (each side rounds its float32 sum of exact products once to bf16, at most
@@ -244,7 +244,7 @@ def step_grouped(ctx: Context) -> tuple[bool, str]:
     import torch
     import torch.nn.functional as F
 
-    from orbitctl.model.grouped_int4 import ExpertStack, align_blocks, grouped_int4_mm, grouped_reference, triton_present
+    from orbitctl.kernels.grouped_int4 import ExpertStack, align_blocks, grouped_int4_mm, grouped_reference, triton_present
 
     ctx.criterion = ("max|grouped kernel - dequantized reference| / max|reference| <= 2^-7 for gate_up and down, at the "
                      "decode and the update rows")
@@ -322,7 +322,7 @@ class StandInLayer:
                  dtype, expert_dtype, device) -> None:
         import torch
 
-        from orbitctl.model.grouped_int4 import ExpertStack
+        from orbitctl.kernels.grouped_int4 import ExpertStack
 
         gen = torch.Generator(device=device).manual_seed(1)
 
@@ -440,7 +440,7 @@ def step_graphed_layer(ctx: Context) -> tuple[bool, str]:
     except Exception as err:  # noqa: BLE001 - a figure, not the step's criterion
         ctx.figures["plan"] = f"skipped: the plan raised {_last_line(err)}"
     if ctx.rehearsal:
-        from orbitctl.model.grouped_int4 import triton_present
+        from orbitctl.kernels.grouped_int4 import triton_present
 
         if not triton_present():
             raise Skip("CUDA graph capture needs a GPU, and Triton (for the stand-in's eager step) does not import")
@@ -708,7 +708,7 @@ def step_tinygemm(ctx: Context) -> tuple[bool, str]:
     import torch
 
     from orbitctl.codec.formats import dequantize_int4, pack_int4, quantize_int4
-    from orbitctl.model.int4_kernel import Int4Pack, cuda_kernel_present, rows_are_independent
+    from orbitctl.kernels.int4_kernel import Int4Pack, cuda_kernel_present, rows_are_independent
 
     n, k, group = KIMI_K2["width"], KIMI_K2["hidden"], KIMI_K2["group"]
     if ctx.rehearsal:

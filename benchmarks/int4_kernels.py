@@ -51,9 +51,9 @@ def main() -> None:
     import torch
 
     from orbitctl.codec.formats import dequantize_int4, dequantize_int4_into, pack_int4, quantize_int4
-    from orbitctl.model import bf16_cpu
-    from orbitctl.model import decode_attention as attention_path
-    from orbitctl.model.int4_kernel import Int4Pack
+    from orbitctl.kernels import bf16_cpu
+    from orbitctl.kernels import decode_attention as attention_path
+    from orbitctl.kernels.int4_kernel import Int4Pack
     from orbitctl.model.quant_linear import int4_workspace
 
     torch.set_num_threads(args.threads)

@@ -45,7 +45,7 @@ def decode(args) -> None:
     print one JSON line of the measured decode."""
     import torch
 
-    from orbitctl.model.cpu_dtype import torch_dtype
+    from orbitctl.kernels.cpu_dtype import torch_dtype
     from orbitctl.model.frozen_base import load_frozen_base
 
     torch.set_num_threads(args.threads)
@@ -123,7 +123,7 @@ def measured_peaks(threads: int, shape: tuple[int, int, int], group_size: int = 
     weight in groups of ``group_size`` at a few row counts) on ``threads`` threads."""
     import torch
 
-    from orbitctl.model.cpu_dtype import torch_dtype
+    from orbitctl.kernels.cpu_dtype import torch_dtype
     from orbitctl.plan.measure_time import peaks_of_rates
     from orbitctl.rl.steptime import kernel_rates, machine_rates, overhead_rates
 
@@ -162,7 +162,7 @@ def tinygemm_row(hidden: int) -> tuple[str, str, str]:
     import torch
 
     from orbitctl.codec.formats import dequantize_int4
-    from orbitctl.model.int4_kernel import Int4Pack, rows_are_independent
+    from orbitctl.kernels.int4_kernel import Int4Pack, rows_are_independent
 
     g = torch.Generator().manual_seed(0)
     words = torch.randint(-2**31, 2**31 - 1, (4 * hidden, hidden // 8), generator=g, dtype=torch.int32).cuda()
@@ -188,7 +188,7 @@ def fused_layer_rows(hidden: int, device: str, *, decode_rows: int = 32, sequenc
 
     from orbitctl.codec.formats import pack_int4, quantize_int4
     from orbitctl.model.quant_linear import QuantLinear
-    from orbitctl.model.int4_kernel import KERNEL_OPS
+    from orbitctl.kernels.int4_kernel import KERNEL_OPS
     from orbitctl.rl.steptime import dispatched_ops
 
     g = torch.Generator().manual_seed(0)
@@ -234,7 +234,7 @@ def decode_rows(model_dir: Path, profile_path: Path, device: str, *, batch: int,
     tokens/s the time model predicts for ``profile_path`` at this batch and length. (check, figure, verdict) rows."""
     import torch
 
-    from orbitctl.model.cpu_dtype import torch_dtype
+    from orbitctl.kernels.cpu_dtype import torch_dtype
     from orbitctl.model.frozen_base import load_frozen_base, use_fused_int4
     dtype = torch.bfloat16 if device == "cuda" else torch_dtype("auto", "cpu")
     model = load_frozen_base(model_dir, device=device, compute_dtype=dtype)

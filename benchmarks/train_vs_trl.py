@@ -68,7 +68,7 @@ def _summary(stamps: list[float], warmup: int, steps: int, samples: int, rollout
 
 
 def run_orbitctl(s: settings.Setting, warmup: int, steps: int, work: Path, sets: tuple[str, ...] = ()) -> dict:
-    from orbitctl.model.cpu_dtype import compute_dtype_name
+    from orbitctl.kernels.cpu_dtype import compute_dtype_name
     from orbitctl.rl.api import train
 
     total = warmup + steps + 1
@@ -100,7 +100,7 @@ def run_trl(s: settings.Setting, warmup: int, steps: int, work: Path) -> dict:
 
     from orbitctl.builder import prepare_frozen_base
     from orbitctl.data.prompts import load_prompts
-    from orbitctl.model.cpu_dtype import compute_dtype_name
+    from orbitctl.kernels.cpu_dtype import compute_dtype_name
     from orbitctl.model.frozen_base import load_frozen_base
     from orbitctl.rl.rewards import make_reward
 

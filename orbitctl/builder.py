@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orbitctl.errors import UserError
-from orbitctl.model import cpu_dtype
+from orbitctl.kernels import cpu_dtype
 from orbitctl.rundir import atomic_dir, cache_root
 from orbitctl.units import TORCH_DTYPE_NAMES
 
@@ -116,7 +116,7 @@ def load_policy(profile, base: PreparedBase, device: str | None = None):
 
     from orbitctl.model.adapters import attach_bottleneck, attach_lora
     from orbitctl.model.frozen_base import apply_int4_kernel, attention_kernel, load_frozen_base
-    from orbitctl.model.cpu_dtype import torch_dtype
+    from orbitctl.kernels.cpu_dtype import torch_dtype
     from orbitctl.model.expert_parallel import Lockstep
     from orbitctl.model.policy import Policy
 

@@ -19,7 +19,7 @@ result; the arguments and the result travel as pickles through files. What can h
 * it runs past ``timeout``: the child is killed and :class:`NativeCrash` says so.
 
 Its callers: llama.cpp (:mod:`orbitctl.export.llamacpp`) and the first calls of orbitctl's own CPU kernels
-(:mod:`orbitctl.model.bf16_cpu`). A caller that starts a child of its own (the code sandbox) words its death by a
+(:mod:`orbitctl.kernels.bf16_cpu`). A caller that starts a child of its own (the code sandbox) words its death by a
 signal with the same table (:func:`signal_death`).
 
 The child loads the function by module name, or from its file when the module cannot be imported by name

@@ -20,6 +20,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("plan",),
     ("codec",),
     ("distances",),
+    ("kernels",),
     ("model",),
     ("quant",),
     ("data",),

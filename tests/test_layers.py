@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 
@@ -17,6 +20,14 @@ def _module_name(path: Path, root: Path = ROOT) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _from_module(node: ast.ImportFrom, package: str) -> str:
+    """The module a ``from ... import`` names, a relative one resolved against ``package``."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def imported_modules(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
     """``(line, module)`` for every import in the file, at any depth (inside functions too)."""
     name = _module_name(path, root)
@@ -26,11 +37,7 @@ def imported_modules(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
+            module = _from_module(node, package)
             found.append((node.lineno, module))
             # `from orbitctl import plan` imports the package orbitctl.plan
             if module == "orbitctl":
@@ -96,3 +103,129 @@ def test_a_back_arrow_is_caught(tmp_path):
 def test_the_architecture_page_shows_the_layers():
     page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     assert "```layers\n" + render() + "\n```" in page, "docs/architecture.md: paste orbitctl.layers.render()"
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def module_graph(package_dir: Path = PACKAGE) -> dict[str, set[str]]:
+    """Each module of the package -> the package's modules it imports: at the top and inside functions, ``from x
+    import y`` read as ``x.y`` where that is a module (else ``x``), an import of ``x.y.z`` read as the longest of
+    those names that is a module; ``if TYPE_CHECKING:`` blocks left out (they do not run)."""
+    root = package_dir.parent
+    files = {_module_name(path, root): path for path in sorted(package_dir.rglob("*.py"))}
+
+    def resolve(name: str) -> str | None:
+        parts = name.split(".")
+        return next((".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in files), None)
+
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str | None] = set()
+        nodes = [ast.parse(path.read_text(encoding="utf-8"), str(path))]
+        while nodes:
+            node = nodes.pop()
+            if _is_type_checking(node):
+                nodes.extend(node.orelse)
+                continue
+            if isinstance(node, ast.Import):
+                targets.update(resolve(alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                module = _from_module(node, package)
+                for alias in node.names:
+                    sub = f"{module}.{alias.name}"
+                    targets.add(sub if sub in files else resolve(module))
+            nodes.extend(ast.iter_child_nodes(node))
+        graph[name] = {t for t in targets if t is not None and t != name}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, without recursion): every set
+    of modules that import each other round a circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    circles.append(sorted(component))
+    return sorted(circles)
+
+
+def test_no_module_is_in_an_import_circle():
+    """Not even within a package, nor through an import inside a function: a piece two modules share moves down."""
+    assert import_circles(module_graph()) == []
+
+
+def test_an_import_circle_is_caught(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg import b\nfrom pkg import c\n")
+    (package / "b.py").write_text("def late():\n    from pkg.a import late  # noqa\n")
+    (package / "c.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from pkg import a\n")
+    graph = module_graph(package)
+    assert graph["pkg.a"] == {"pkg.b", "pkg.c"} and graph["pkg.b"] == {"pkg.a"} and graph["pkg.c"] == set()
+    assert import_circles(graph) == [["pkg.a", "pkg.b"]]
+
+
+HEAVY = ("transformers", "peft", "deepspeed", "bitsandbytes")
+NEEDS_TRANSFORMERS = {"orbitctl.kernels.kv_cache": "its caches are transformers Cache and DynamicLayer subclasses"}
+
+
+def test_the_kernels_load_no_heavy_library():
+    """In a fresh interpreter, ``orbitctl.kernels`` and each of its modules import none of transformers, peft,
+    deepspeed, bitsandbytes (torch only), but for the one module named in NEEDS_TRANSFORMERS."""
+    modules = sorted(_module_name(p) for p in (PACKAGE / "kernels").glob("*.py") if p.name != "__init__.py")
+    modules = ["orbitctl.kernels"] + sorted(modules, key=lambda m: m in NEEDS_TRANSFORMERS)  # those last
+    script = (
+        "import importlib, json, sys\n"
+        f"heavy = {HEAVY!r}\n"
+        "loaded = {}\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "    loaded[name] = sorted(h for h in heavy if h in sys.modules)\n"
+        "print(json.dumps(loaded))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    loaded = json.loads(proc.stdout.splitlines()[-1])
+    assert set(loaded) == set(modules)
+    for name, heavy in loaded.items():
+        allowed = {"transformers"} if name in NEEDS_TRANSFORMERS else set()
+        assert set(heavy) <= allowed, f"importing {name} loaded {heavy}"

@@ -157,7 +157,7 @@ def test_the_makefile_builds_the_version_pyproject_pins_with_native_off():
     assert "--no-cache-dir" in makefile and "--no-index --find-links" in makefile  # pip's cache never serves it
 
 
-# orbitctl's own compiled CPU kernels: their first calls on a machine run in a child (orbitctl.model.bf16_cpu)
+# orbitctl's own compiled CPU kernels: their first calls on a machine run in a child (orbitctl.kernels.bf16_cpu)
 TRAPPING_KERNELS = """
 #include <cstdint>
 extern "C" {
@@ -175,7 +175,7 @@ def test_a_kernel_library_that_dies_on_its_first_call_is_refused_with_the_signal
     import shutil
     import subprocess
 
-    from orbitctl.model import bf16_cpu
+    from orbitctl.kernels import bf16_cpu
 
     compiler = shutil.which("g++") or shutil.which("c++")
     if compiler is None:
@@ -194,7 +194,7 @@ def test_a_kernel_library_that_dies_on_its_first_call_is_refused_with_the_signal
 def test_orbitctls_cpu_kernels_first_calls_ran_in_a_child_on_this_machine():
     """Where the kernels run here, their first calls passed in a child (a crash would be this test's failure: the
     signal and its cause), and the stamp beside the library spares every later process that child."""
-    from orbitctl.model import bf16_cpu
+    from orbitctl.kernels import bf16_cpu
 
     why = bf16_cpu.cpu_unsupported()
     if why is not None:

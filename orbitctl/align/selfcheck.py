@@ -12,7 +12,7 @@ same unmerged adapter), and then the comparison is the kernel floor itself
 (:mod:`orbitctl.align.floor`). ``infer_quant`` serves the infer path from a copy of the same
 source weights stored in another format, and ``perturb`` scales one layer's norm weights on that
 copy: the what-if and the injected fault the gates must catch. ``rollout.kv_dtype: fp8`` keeps the
-infer path's KV cache in float8 (:mod:`orbitctl.model.kv_cache`), as the rollout does; the train path
+infer path's KV cache in float8 (:mod:`orbitctl.kernels.kv_cache`), as the rollout does; the train path
 has no cache, so this is the what-if of an fp8 cache on the same weights. With a separate copy or an
 fp8 cache the trainer's own weights also decode the sampled tokens through a KV cache in the compute
 dtype (teacher-forced), which measures the floor beside the comparison; ``--per-layer`` names a layer

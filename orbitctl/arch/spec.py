@@ -166,7 +166,7 @@ class ArchSpec:
     def kv_bytes_per_token_layer(self, kv_dtype: str) -> float:
         """KV-cache bytes one token keeps per layer: bf16 2 bytes an element; fp8 1 byte an element plus one fp32
         scale per cached head of K and of V (GQA: 2 x kv heads; MLA: the latent and the rope key, one 'head' each),
-        as the infer path's fp8 cache stores them (orbitctl.model.kv_cache)."""
+        as the infer path's fp8 cache stores them (orbitctl.kernels.kv_cache)."""
         elements = self.kv_elements_per_token_layer()
         if kv_dtype != "fp8":
             return 2.0 * elements

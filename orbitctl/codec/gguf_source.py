@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from orbitctl.arch.model_source import gguf_config, open_gguf_reader
-from orbitctl.codec.source import Checkpoint
+from orbitctl.codec.checkpoint import Checkpoint
 from orbitctl.errors import InputFileError, UserError
 
 # GGUF block name -> Hugging Face module name, inside model.layers.N

@@ -6,7 +6,7 @@ from __future__ import annotations
 from orbitctl.doctor.findings import INFO, PASS, SKIP, UNKNOWN, WARN
 from orbitctl.doctor.registry import CheckContext, Outcome, check
 from orbitctl.doctor.snapshot import Snapshot
-from orbitctl.model.cpu_dtype import bf16_verdict, onednn_cap, resolve_dtype
+from orbitctl.kernels.cpu_dtype import bf16_verdict, onednn_cap, resolve_dtype
 
 ISA_NAMES = (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16"))
 SLOWDOWN = "bf16 matmuls are emulated there, about 45x slower than fp32 (AVX2-only EPYC: 3.5 ms against 76 us)"

@@ -7,7 +7,7 @@ Linux (5.16+) also makes every process ask for AMX's tile data before its first 
 SIGILL exactly like one the CPU lacks, which is why a crash log's "Illegal instruction" is read next
 to this table (log.host.sigill).
 
-How the OS state is read: :mod:`orbitctl.model.cpu_state` (``arch_prctl(ARCH_GET_XCOMP_SUPP)`` for XCR0, the
+How the OS state is read: :mod:`orbitctl.kernels.cpu_state` (``arch_prctl(ARCH_GET_XCOMP_SUPP)`` for XCR0, the
 tile-data request for AMX; /proc/cpuinfo's flags where the kernel is older than 5.16), the same answers orbitctl's
 own CPU kernels go by. The questions run in a child interpreter (that module run as a script): a granted request
 changes the process that made it, and the doctor's own process must stay as it was.
@@ -22,8 +22,8 @@ import sys
 from dataclasses import asdict, dataclass
 
 from orbitctl.doctor.snapshot import Isa, XState
-from orbitctl.model import cpu_state
-from orbitctl.model.cpu_state import STATE, XCR0_AMX, errno_name
+from orbitctl.kernels import cpu_state
+from orbitctl.kernels.cpu_state import STATE, XCR0_AMX, errno_name
 
 ISA_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx512_fp16",
                 "amx_tile", "amx_bf16", "amx_int8")

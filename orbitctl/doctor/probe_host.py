@@ -133,7 +133,7 @@ def probe_cpu(path: str = "/proc/cpuinfo", xstate: Callable[[], XState] | None =
     table's part: every ISA feature with the kernel's answers about its register state (``xstate``, e.g.
     orbitctl.doctor.isa.probe_xstate, which asks in a child process; None: not asked)."""
     from orbitctl.doctor.isa import isa_from_flags
-    from orbitctl.model.cpu_dtype import ISA_FLAGS, read_host_cpu
+    from orbitctl.kernels.cpu_dtype import ISA_FLAGS, read_host_cpu
 
     info = read_host_cpu(path)
     if info is None:

@@ -420,7 +420,7 @@ SIGNATURES: list[Signature] = [
          ("compilationerror", "ptxaserror", "internal triton ptx codegen error"),
          "Triton could not compile a kernel (the kernel and this Triton version disagree, or the kernel does not "
          "support this dtype, shape or GPU)",
-         "If it is orbitctl's grouped INT4 kernel (orbitctl/model/grouped_int4.py), set quant.kernel: dequantize; "
+         "If it is orbitctl's grouped INT4 kernel (orbitctl/kernels/grouped_int4.py), set quant.kernel: dequantize; "
          "otherwise run the Triton this torch was built with (install torch and triton from one index; "
          "`python -c 'import torch, triton; print(torch.__version__, triton.__version__)'`) and an engine version "
          "tested with it", priority=74),
@@ -434,7 +434,7 @@ SIGNATURES: list[Signature] = [
          "torch 2.5 (int32 [n, k] before), the CPU ops became _convert_weight_to_int4pack_for_cpu / "
          "_weight_int4pack_mm_for_cpu in 2.6, and a backend without the op (MPS, or CPU for the CUDA op) cannot run it",
          "Set quant.kernel: dequantize (no packed INT4 kernel), or install the torch orbitctl supports "
-         "(pyproject.toml: torch>=2.6,<=2.14.1; orbitctl/model/int4_kernel.py packs for that torch's layout); a library "
+         "(pyproject.toml: torch>=2.6,<=2.14.1; orbitctl/kernels/int4_kernel.py packs for that torch's layout); a library "
          "built against another torch's packing (torchao, optimum-quanto, hqq, gpt-fast) needs the torch it was built "
          "for", priority=77),
     _sig("int4.marlin", r"(?:size|prob)_[mnk] = (?P<size>\d+) is not divisible by (?P<by>tile_[nk]_size|thread_[mnk]) = "

@@ -147,7 +147,7 @@ def _gguf(base, arch, lora, tmp: Path, tok_dir: Path, name: str, progress) -> Ex
 def _merged(base, lora, tmp: Path, tok_dir: Path, policy, profile, prompts: int, progress) -> ExportResult:
     from orbitctl.export.compare import held_out_sequences
     from orbitctl.export.merged import merge_cost, write_merged
-    from orbitctl.model.cpu_dtype import torch_dtype
+    from orbitctl.kernels.cpu_dtype import torch_dtype
 
     records = write_merged(base, lora, tmp, tok_dir, progress)
     if lora is not None:

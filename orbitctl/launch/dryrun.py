@@ -121,7 +121,7 @@ def dry_run(profile, *, snapshot=None) -> DryRun:
 
 def _adapter_dtype(profile, device_type: str, name: str | None = None) -> str:
     """``adapter.dtype`` (or ``name``) as the run's device resolves it, without importing torch."""
-    from orbitctl.model.cpu_dtype import planned_dtype
+    from orbitctl.kernels.cpu_dtype import planned_dtype
 
     return planned_dtype(profile.adapter.dtype if name is None else name, device_type)
 

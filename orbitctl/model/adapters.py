@@ -1,7 +1,7 @@
 """Trainable adapters on a frozen base: LoRA through PEFT, and the bottleneck adapter.
 
 Adapters are in ``adapter.dtype`` (bf16, fp32, or auto as resolved by
-:func:`orbitctl.model.cpu_dtype.resolve_dtype`) and are never merged into the quantized weights: the
+:func:`orbitctl.kernels.cpu_dtype.resolve_dtype`) and are never merged into the quantized weights: the
 same unmerged adapter serves the infer path and the train path.
 
 Bottleneck adapter file format (``adapter/``):
@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orbitctl.errors import InputFileError, UserError
-from orbitctl.model.cpu_dtype import torch_dtype
+from orbitctl.kernels.cpu_dtype import torch_dtype
+from orbitctl.plan.adapters import layer_index
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 MLP = ("gate_proj", "up_proj", "down_proj", "fc1", "fc2", "w1", "w2", "w3")
@@ -60,15 +61,6 @@ def _is_linear(module) -> bool:
         return True
     # bitsandbytes Linear4bit subclasses nn.Linear; orbitctl's QuantLinear exposes in/out features
     return hasattr(module, "in_features") and hasattr(module, "out_features") and type(module).__name__.endswith("Linear")
-
-
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def layer_index(name: str) -> int | None:
-    """The decoder layer a module name belongs to ('model.layers.12.mlp.up_proj' -> 12); None outside the layers."""
-    match = _LAYER_INDEX.search(name)
-    return int(match.group(1)) if match else None
 
 
 def first_adapted_layer(model, last_layers: int | None) -> int:

@@ -36,7 +36,7 @@ import math
 import torch
 from torch import nn
 
-from orbitctl.plan.adapters import EXPERT_LAYOUTS, EXPERT_PROJECTIONS, expert_factor_shares as shares
+from orbitctl.plan.adapters import EXPERT_LAYOUTS, EXPERT_PROJECTIONS, expert_factor_shares as shares, layer_index
 
 LAYOUTS = EXPERT_LAYOUTS
 PROJECTIONS = EXPERT_PROJECTIONS
@@ -240,8 +240,6 @@ def attach_expert_lora(model, layout: str, rank: int, alpha: float, dtype: torch
                        first_layer: int = 0) -> int:
     """Give every routed-expert module of ``model`` from decoder layer ``first_layer`` on its adapters; returns the
     trainable parameters added."""
-    from orbitctl.model.adapters import layer_index
-
     layers = [(name, m) for name, m in expert_layers(model) if (layer_index(name) or 0) >= first_layer]
     if not layers:
         from orbitctl.errors import UserError

@@ -27,8 +27,9 @@ from torch import nn
 
 from orbitctl.dist import collectives as coll
 from orbitctl.errors import UserError
+from orbitctl.kernels.graph_capture import static_shapes_active
+from orbitctl.kernels.grouped_int4 import takes_lora
 from orbitctl.model.expert_lora import experts_by_row
-from orbitctl.model.grouped_int4 import takes_lora
 from orbitctl.plan.layout import owned_experts
 
 
@@ -93,7 +94,7 @@ class ExpertParallelExperts(nn.Module):
         self.expert_lora = None
         """The adapters of the experts held here (:class:`~orbitctl.model.expert_lora.ExpertLoRA`), when asked for."""
         self.stack = None
-        """The held experts stacked for the grouped GPU kernel (:class:`~orbitctl.model.grouped_int4.ExpertStack`)."""
+        """The held experts stacked for the grouped GPU kernel (:class:`~orbitctl.kernels.grouped_int4.ExpertStack`)."""
 
     def expert(self, index: int) -> nn.Module:
         return getattr(self, str(index))
@@ -142,8 +143,6 @@ class ExpertParallelExperts(nn.Module):
         return coll.reduce_scatter(partial, self.ep.group)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        from orbitctl.model.graph_decode import static_shapes_active
-
         if static_shapes_active() and not torch.is_grad_enabled():
             return self.static_exchange(hidden_states, top_k_index, top_k_weights)
         tokens, k = top_k_index.shape

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from orbitctl.errors import InputFileError, UserError
-from orbitctl.model.decode_attention import use_decode_attention
+from orbitctl.kernels.decode_attention import use_decode_attention
 from orbitctl.model.mla import use_absorbed_mla
 from orbitctl.rundir import read_json
 
@@ -98,9 +98,9 @@ def load_frozen_base(quantized_dir: str | Path, *, device: str | torch.device = 
 def int4_kernel(name: str, fmt: str, device_type: str) -> str:
     """``quant.kernel`` resolved where the model runs: ``fused`` or ``dequantize``. auto is fused for INT4 where this
     torch has the device's kernel (the CPU's, or CUDA's tinygemm) and its rows do not depend on the rows beside them
-    (the once-per-process probe of :func:`~orbitctl.model.int4_kernel.rows_are_independent`); fused asked for is
+    (the once-per-process probe of :func:`~orbitctl.kernels.int4_kernel.rows_are_independent`); fused asked for is
     fused wherever the kernel exists."""
-    from orbitctl.model import int4_kernel as kernels
+    from orbitctl.kernels import int4_kernel as kernels
 
     if fmt != "int4" or name == "dequantize" or device_type not in ("cpu", "cuda"):
         return "dequantize"
@@ -147,7 +147,7 @@ def use_fused_int4(model: nn.Module, *, buffers_only: bool = False) -> int:
 def _packable(layer, buffers_only: bool) -> bool:
     """Whether ``use_fused_int4`` packs this layer: an INT4 ``QuantLinear`` of a shape its device's kernel takes, held
     as a buffer where ``buffers_only``."""
-    from orbitctl.model.int4_kernel import unsupported_shape
+    from orbitctl.kernels.int4_kernel import unsupported_shape
     from orbitctl.model.quant_linear import QuantLinear
 
     if not isinstance(layer, QuantLinear) or layer.fmt != "int4":
@@ -158,13 +158,30 @@ def _packable(layer, buffers_only: bool) -> bool:
     return unsupported_shape(layer.out_features, layer.in_features, layer.group_size, device) is None
 
 
+def grouped_supported(module, *, buffers_only: bool = False) -> bool:
+    """Whether the grouped kernel can run the routed experts of ``module`` (a MoE layer: ``held`` and ``expert``): INT4
+    experts on a CUDA device (or on the CPU under Triton's interpreter, ``TRITON_INTERPRET=1``), Triton present, and under ZeRO-3
+    (``buffers_only``) experts held as buffers (expert parallelism), which ZeRO does not partition."""
+    from orbitctl.kernels.grouped_int4 import runs_on
+    from orbitctl.model.quant_linear import QuantLinear
+
+    if not len(module.held):
+        return False
+    gate = module.expert(module.held[0]).gate_proj
+    if not isinstance(gate, QuantLinear) or gate.fmt != "int4":
+        return False
+    if buffers_only and "weight_packed" not in gate._buffers:
+        return False
+    return runs_on(gate.weight_packed.device.type)
+
+
 def use_grouped_experts(model: nn.Module, *, buffers_only: bool = False) -> set[int]:
     """On a CUDA device with Triton, stack every MoE layer's routed INT4 experts for the grouped kernel
-    (:class:`~orbitctl.model.grouped_int4.ExpertStack`, attached as the layer's ``stack``); returns the ids of
+    (:class:`~orbitctl.kernels.grouped_int4.ExpertStack`, attached as the layer's ``stack``); returns the ids of
     the experts' linears so stacked. A layer whose expert adapters are per expert, or whose experts ZeRO-3
     partitions (``buffers_only`` and held as parameters), keeps its per-expert loop."""
     from orbitctl.model.expert_lora import expert_layers
-    from orbitctl.model.grouped_int4 import ExpertStack, grouped_supported
+    from orbitctl.kernels.grouped_int4 import ExpertStack
 
     stacked: set[int] = set()
     for _, module in expert_layers(model):
@@ -179,7 +196,7 @@ def use_grouped_experts(model: nn.Module, *, buffers_only: bool = False) -> set[
 def apply_int4_kernel(model: nn.Module, profile, device) -> int:
     """``profile``'s ``quant.kernel`` on ``model`` loaded onto ``device``: the INT4 layers repacked for the fused
     kernel where it resolves to fused (under ZeRO-3 only the expert-parallel experts); the packs' bytes."""
-    from orbitctl.model.cpu_dtype import device_type
+    from orbitctl.kernels.cpu_dtype import device_type
 
     if int4_kernel(profile.quant.kernel, profile.quant.format, device_type(device)) != "fused":
         return 0
@@ -238,7 +255,7 @@ def load_frozen_base_for_profile(profile, *, device: str | torch.device = "cpu")
     if found != fmt:
         raise UserError(f"{path}: holds a {found} checkpoint but quant.format is {fmt}",
                         fix="run orbitctl quantize PROFILE again, or set quant.format to match")
-    from orbitctl.model.cpu_dtype import torch_dtype
+    from orbitctl.kernels.cpu_dtype import torch_dtype
 
     model = load_frozen_base(path, device=device, compute_dtype=torch_dtype(profile.quant.compute_dtype, device),
                              attention=attention_kernel(profile.memory.flash_attention))

@@ -16,7 +16,7 @@ the host for a value:
   step in place (left padding and finished rows stay closed), passed to the model as a prepared 4D
   mask so transformers builds none;
 * the token and position inputs are buffers written in place;
-* the routed experts run grouped (:mod:`~orbitctl.model.grouped_int4`, no ``.tolist()``) and, under
+* the routed experts run grouped (:mod:`~orbitctl.kernels.grouped_int4`, no ``.tolist()``) and, under
   expert parallelism, exchange tokens at static shapes (:meth:`ExpertParallelExperts.static_exchange`).
 
 The first decode step runs eagerly on a side stream (it warms the allocator, compiles Triton kernels and
@@ -28,42 +28,11 @@ exact zeros. Off a GPU the same static step runs eagerly, which is how its numer
 from __future__ import annotations
 
 import contextlib
-import contextvars
 
 import torch
 
+from orbitctl.kernels.graph_capture import closed_value, static_shapes
 from orbitctl.model.router_replay import RouterTape
-
-_STATIC = contextvars.ContextVar("orbitctl_static_shapes", default=False)
-
-
-@contextlib.contextmanager
-def static_shapes():
-    """Within it the model's layers take their static-shape forms (the expert-parallel exchange)."""
-    token = _STATIC.set(True)
-    try:
-        yield
-    finally:
-        _STATIC.reset(token)
-
-
-def static_shapes_active() -> bool:
-    return _STATIC.get()
-
-
-GRAPH_KV_DTYPES = ("bf16",)
-"""KV-cache dtypes the static step keeps (the float8 cache grows its scales per step)."""
-
-
-def graphs_apply(setting: bool | str, device_type: str, *, kv_dtype: str, keep_hidden: bool = False) -> bool:
-    """Whether a decode runs on the static step with a captured graph: ``rollout.decode_graphs`` true or ``auto``,
-    on a CUDA device, with a KV cache the static step keeps, and no per-step hidden states asked for."""
-    return setting is not False and device_type == "cuda" and kv_dtype in GRAPH_KV_DTYPES and not keep_hidden
-
-
-def closed_value(dtype: torch.dtype) -> float:
-    """The additive bias of a masked-out key: the dtype's lowest finite value (exp of it minus any score is 0)."""
-    return torch.finfo(dtype).min
 
 
 def _expert_group(model):
@@ -101,10 +70,10 @@ def every_rank_agrees(model, ok: bool, device: torch.device) -> bool:
 
 def sync_free(model) -> bool:
     """Whether ``model``'s forward can run without reading a value on the host: every routed-expert layer grouped
-    (:class:`~orbitctl.model.grouped_int4.ExpertStack`, with adapters it computes); the per-expert loop reads the
+    (:class:`~orbitctl.kernels.grouped_int4.ExpertStack`, with adapters it computes); the per-expert loop reads the
     routing's counts."""
     from orbitctl.model.expert_lora import expert_layers
-    from orbitctl.model.grouped_int4 import takes_lora
+    from orbitctl.kernels.grouped_int4 import takes_lora
 
     return all(getattr(module, "stack", None) is not None
                and takes_lora(module.expert_lora.bound() if module.expert_lora is not None else None)

@@ -2,7 +2,7 @@
 
 * infer path (:meth:`Policy.sample`, :meth:`Policy.greedy`): eval mode, no grad, incremental
   decoding with a KV cache (in the compute dtype, or float8 with ``rollout.kv_dtype: fp8``:
-  :mod:`orbitctl.model.kv_cache`); records each sampled token's log-prob and, when asked, the full
+  :mod:`orbitctl.kernels.kv_cache`); records each sampled token's log-prob and, when asked, the full
   log-distribution (cheap for small vocabularies, what the align loss uses).
 * train path (:meth:`Policy.completion_logits`): train mode, full-sequence forward with
   gradient checkpointing, adapters active; :meth:`Policy.completion_hidden` stops before the
@@ -53,15 +53,20 @@ def shared_prompts(prompt_ids, prompt_mask):
     import torch
 
     keys = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
-    distinct, rows = torch.unique(keys, dim=0, return_inverse=True)
-    if distinct.shape[0] == keys.shape[0]:
+    # one read of the batch's ids, then a dictionary: a lexicographic sort of the rows (torch.unique with dim) costs
+    # more than the prefill it saves on a small model; in the batch's own order of first appearance, so the prefill
+    # sees its prompts as they came
+    seen: dict[tuple, int] = {}
+    first, position = [], []
+    for row, key in enumerate(map(tuple, keys.tolist())):
+        if key not in seen:
+            seen[key] = len(first)
+            first.append(row)
+        position.append(seen[key])
+    if len(first) == len(position):
         return None, None
-    first = torch.full((distinct.shape[0],), keys.shape[0], dtype=torch.long, device=keys.device)
-    first = first.scatter_reduce(0, rows, torch.arange(keys.shape[0], device=keys.device), reduce="amin")
-    # keep the batch's own order of first appearance, so the prefill sees its prompts as they came
-    order = torch.argsort(first)
-    position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return first[order], position[rows]
+    return (torch.tensor(first, dtype=torch.long, device=keys.device),
+            torch.tensor(position, dtype=torch.long, device=keys.device))
 
 
 def _top_p_filter(logits, top_p: float):
@@ -113,7 +118,7 @@ class Policy:
         self.system_prompt = system_prompt
         """``data.system_prompt``: a system turn before every prompt that has none of its own (chat template only)."""
         self.kv_dtype = kv_dtype
-        """How the infer path keeps its KV cache (``rollout.kv_dtype``; :mod:`orbitctl.model.kv_cache`): ``bf16`` in
+        """How the infer path keeps its KV cache (``rollout.kv_dtype``; :mod:`orbitctl.kernels.kv_cache`): ``bf16`` in
         the compute dtype, ``fp8`` in float8 e4m3 with a scale per token and KV head. The train path has no cache."""
         self.decode_graphs = decode_graphs
         """``rollout.decode_graphs``: on a CUDA GPU each decode step after the first two replays a CUDA graph over a
@@ -219,8 +224,9 @@ class Policy:
         """
         import torch
 
-        from orbitctl.model.graph_decode import StaticDecode, graphs_apply
-        from orbitctl.model.kv_cache import new_kv_cache
+        from orbitctl.kernels.graph_capture import graphs_apply
+        from orbitctl.kernels.kv_cache import new_kv_cache
+        from orbitctl.model.graph_decode import StaticDecode
 
         if forced is not None:
             forced_ids, forced_mask = (t.to(self.device) for t in forced)
@@ -336,7 +342,7 @@ class Policy:
         import torch
 
         from orbitctl.model.draws import KeyedDraws
-        from orbitctl.model.kv_cache import append_rows, new_kv_cache
+        from orbitctl.kernels.kv_cache import append_rows, new_kv_cache
         from orbitctl.model.router_replay import NOT_RECORDED, ROUTE_DTYPE
 
         if slots < 1:
@@ -403,10 +409,11 @@ class Policy:
                     host_dist = logdist.cpu() if keep_dist else None
                     host_raw = scaled.cpu() if keep_logits else None
                     going = []
+                    alive_rows, logp_rows = alive.tolist(), logp.tolist()  # one read each, not one per row
                     for i, (r, t) in enumerate(zip(active, steps)):
                         tokens[r].append(chosen[i])
-                        kept[r].append(int(alive[i]))
-                        logps[r].append(float(logp[i]))
+                        kept[r].append(int(alive_rows[i]))
+                        logps[r].append(logp_rows[i])
                         if keep_dist:
                             dist[r, t] = host_dist[i]
                         if keep_logits:
@@ -540,20 +547,18 @@ def _stream_samples(prompt_ids, prompt_mask, tokens, kept, logps, dist, raw, fed
     from orbitctl.model.router_replay import NOT_RECORDED, ROUTE_DTYPE
 
     total, width = len(tokens), max((len(t) for t in tokens), default=0)
-    ids = torch.full((total, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((total, width), dtype=torch.long)
-    logprobs = torch.zeros((total, width))
+
+    def padded(rows, fill, dtype):  # one tensor from the rows' lists, not one per row
+        return torch.tensor([row + [fill] * (width - len(row)) for row in rows], dtype=dtype).reshape(total, width)
+
+    ids, mask, logprobs = padded(tokens, pad_id, torch.long), padded(kept, 0, torch.long), padded(logps, 0.0, torch.float32)
     dist, raw = (t[:, :width] if t is not None else None for t in (dist, raw))
     routes = None
     if fed_routes is not None:
         layers, k = prompt_routes.shape[2:]
         routes = torch.full((total, width, layers, k), NOT_RECORDED, dtype=ROUTE_DTYPE)
-    for r in range(total):
-        n = len(tokens[r])
-        ids[r, :n] = torch.tensor(tokens[r], dtype=torch.long)
-        mask[r, :n] = torch.tensor(kept[r], dtype=torch.long)
-        logprobs[r, :n] = torch.tensor(logps[r])
-        if routes is not None and fed_routes[r]:
+    for r in range(total if routes is not None else 0):
+        if fed_routes[r]:
             fed = torch.stack(fed_routes[r]).to(ROUTE_DTYPE)
             routes[r, :len(fed)] = fed.masked_fill(~mask[r, :len(fed)].bool()[:, None, None], NOT_RECORDED)
     return Samples(prompt_ids.cpu(), prompt_mask.cpu(), ids, mask, logprobs, dist, raw, None, routes, prompt_routes)

@@ -21,7 +21,7 @@ a training rank grew by about 0.8 GiB over one policy update of a 1 GB MoE) and 
 fault per 4 KiB each time (the in-place path is about 4x faster). The workspace is only ever read
 by the matmul that follows; autograd never saves it (the backward dequantizes again).
 
-``quant.kernel: fused`` (:mod:`orbitctl.model.int4_kernel`): an INT4 layer given a kernel pack
+``quant.kernel: fused`` (:mod:`orbitctl.kernels.int4_kernel`): an INT4 layer given a kernel pack
 (:meth:`QuantLinear.use_fused_kernel`) runs its forward through PyTorch's weight-only INT4 kernel, in
 every path (rollout, train, reference), and only the backward dequantizes.
 
@@ -34,16 +34,16 @@ them, in another order. A decode step (a few rows) keeps the kernel: there the d
 the GEMM saves.
 
 On such a CPU (AVX512-BF16, uncapped, the library built) a layer exact in bf16 holds orbitctl's own pack
-(:mod:`orbitctl.model.bf16_cpu`): its decode runs orbitctl's INT4 kernel (bf16 dot products, at the bf16 GEMM's
+(:mod:`orbitctl.kernels.bf16_cpu`): its decode runs orbitctl's INT4 kernel (bf16 dot products, at the bf16 GEMM's
 rate), and its dense weight for the whole-sequence GEMM and the backward comes from that pack's one-pass
 dequantizer straight into the bf16 workspace (the same values as the float32 route, 26x faster).
 
-Where the kernel granted this process AMX's tile data (:func:`orbitctl.model.bf16_cpu.amx_granted`), oneDNN runs
+Where the kernel granted this process AMX's tile data (:func:`orbitctl.kernels.bf16_cpu.amx_granted`), oneDNN runs
 that GEMM on AMX tiles (``tdpbf16ps``: the same exact products, float32 accumulation, one rounding), and an input
 without a positions axis takes it from :data:`DENSE_ROWS_AMX` rows. What no longer holds there: a blocked AMX GEMM
 picks its blocking, and for few rows its kernel, by the number of rows, so a row's result may differ by a bf16 step
 with the rows beside it (a prompt prefilled for its group against the same prompt in a batch). The decode steps'
-kernel keeps every row independent (:func:`~orbitctl.model.int4_kernel.rows_are_independent` probes that kernel,
+kernel keeps every row independent (:func:`~orbitctl.kernels.int4_kernel.rows_are_independent` probes that kernel,
 and ``quant.kernel: auto`` fuses on it); a forward and its recompute have the same rows and agree bit for bit. The
 infer path's prefill and the train path's forward of the same tokens then agree to a bf16 step per layer, not bit
 for bit, as every other bf16 matmul there does (dequantizing would not restore it: its GEMM is the same oneDNN
@@ -56,14 +56,13 @@ import threading
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from orbitctl.codec.formats import dequantize_fp8_blocks, dequantize_int4, dequantize_int4_into, scales_exact_in_bf16
-from orbitctl.model import cpu_dtype
+from orbitctl.kernels import cpu_dtype
+from orbitctl.kernels.eager import real_eager
+from orbitctl.kernels.grouped_int4 import takes_lora
+from orbitctl.kernels.int4_kernel import Int4Pack
 from orbitctl.model.expert_lora import experts_by_row
-from orbitctl.model.grouped_int4 import takes_lora
-from orbitctl.model.int4_kernel import Int4Pack
 
 _WORKSPACE = threading.local()
 
@@ -102,14 +101,6 @@ def _plain_cpu(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and real_eager(t)
 
 
-def real_eager(x: torch.Tensor) -> bool:
-    """A real tensor in eager mode: not traced or compiled, not a subclass, no fake-tensor mode active (the planner's
-    shadow runs); other dispatch modes (an op counter, a memory tracker) see what runs on real tensors."""
-    if torch.compiler.is_compiling() or type(x) not in (torch.Tensor, nn.Parameter):
-        return False
-    return not any(isinstance(mode, FakeTensorMode) for mode in _get_current_dispatch_mode_stack())
-
-
 def _kernel_input(x: torch.Tensor) -> bool:
     """Whether ``x`` can go through the fused kernel: a :func:`real_eager` CPU or CUDA tensor (the pack is the
     device's: the CPU kernel's or tinygemm's)."""
@@ -122,7 +113,7 @@ input without a positions axis (a routed expert's rows; :func:`dense_gemm_applie
 on two AVX512-BF16 cores, a 4096 x 768 weight: the dequantization costs about as much as the kernel's extra time over
 a bf16 GEMM at 128 rows, 1.44x the kernel's speed at 256, 2.18x at 3,584."""
 DENSE_ROWS_AMX = 64
-"""The same where the GEMM runs on AMX tiles (:func:`orbitctl.model.bf16_cpu.amx_granted`). Not measured here (no
+"""The same where the GEMM runs on AMX tiles (:func:`orbitctl.kernels.bf16_cpu.amx_granted`). Not measured here (no
 AMX machine at hand); the reasoning: the one-pass dequantization of a 4096 x 768 weight (0.08 ms) costs what about 8
 rows cost in orbitctl's AVX512-BF16 kernel (335-361 GFLOP/s on two cores), and an AMX GEMM at any rate above the
 kernel's wins that back over some tens of rows; 64 leaves room for a GEMM at twice the kernel's rate."""
@@ -130,7 +121,7 @@ kernel's wins that back over some tens of rows; 64 leaves room for a GEMM at twi
 
 def dense_rows() -> int:
     """:data:`DENSE_ROWS_AMX` where many-row bf16 GEMMs run on AMX tiles in this process, else :data:`DENSE_ROWS`."""
-    from orbitctl.model import bf16_cpu
+    from orbitctl.kernels import bf16_cpu
 
     return DENSE_ROWS_AMX if bf16_cpu.amx_granted() else DENSE_ROWS
 
@@ -213,7 +204,7 @@ class QuantLinear(nn.Module):
             return self.dequantized_weight(dtype)
         pack = self.kernel_pack
         if pack is not None and pack.kind == "bf16" and dtype == torch.bfloat16:  # one pass, the same values
-            from orbitctl.model import bf16_cpu
+            from orbitctl.kernels import bf16_cpu
 
             out = workspace_buffer((self.out_features, self.in_features), dtype)
             return bf16_cpu.dequantize_into(pack.packed, pack.scales_and_zeros[0], pack.group_size, out)
@@ -334,7 +325,7 @@ class QuantExperts(nn.Module):
         self.expert_lora = None
         """The experts' adapters (:class:`~orbitctl.model.expert_lora.ExpertLoRA`), when adapter.experts asks."""
         self.stack = None
-        """The experts stacked for the grouped GPU kernel (:class:`~orbitctl.model.grouped_int4.ExpertStack`), or None:
+        """The experts stacked for the grouped GPU kernel (:class:`~orbitctl.kernels.grouped_int4.ExpertStack`), or None:
         the per-expert loop."""
 
     def expert(self, index: int) -> ExpertMLP:

@@ -13,43 +13,18 @@ Imports no torch: every number comes from the ArchSpec and the formulas in docs/
 from __future__ import annotations
 
 import itertools
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 from orbitctl.errors import ProfileError, UserError
 from orbitctl.plan.advice import advise, compare_layouts, compare_nodes, layout_notes, max_micro_batch
 from orbitctl.plan.budget import evaluate, prepare
 from orbitctl.plan.comm import COMM_TERMS, completions_per_gpu
+from orbitctl.plan.profile_arch import profile_arch as _arch
 from orbitctl.plan.timing import seconds_text
 from orbitctl.plan.result import COMPONENTS, PHASES, Advice, MemoryPlan
 
 __all__ = ["plan_profile", "plan_sweep", "apply_changes", "measure_profile", "compare_profile", "resolve_rollout_batch",
            "auto_rollout_batch", "MemoryPlan", "Advice", "COMPONENTS", "COMM_TERMS", "PHASES"]
-
-
-@lru_cache(maxsize=32)
-def _builtin(name: str):
-    from orbitctl.arch import builtin_arch
-
-    return builtin_arch(name)
-
-
-@lru_cache(maxsize=32)
-def _from_file(path: str, mtime: float, key: str = "model.config"):
-    from orbitctl.arch import arch_from_config, load_config_file
-
-    return arch_from_config(load_config_file(path, key), name=Path(path).parent.name or "custom", source=path)
-
-
-def _arch(profile):
-    """The catalog's architecture, or model.config's (else model.path's config.json), parsed once per file version."""
-    if profile.model.arch:
-        return _builtin(profile.model.arch)
-    from orbitctl.arch import model_config_file
-
-    path, key = model_config_file(profile.model)
-    return _from_file(str(path), path.stat().st_mtime if path.exists() else 0.0, key)
 
 
 def apply_changes(profile, change: dict[str, Any]):

@@ -7,6 +7,7 @@ the routed experts; ``all-linear`` adds the router too. lm_head is never adapted
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from orbitctl.arch.spec import ATTENTION, EXPERT, MLP, ROUTER, SHARED_EXPERT, ArchSpec, Weight
@@ -106,6 +107,15 @@ def _selected(arch: ArchSpec, targets) -> list[tuple[int, Weight]]:
         raise UserError(f"adapter.targets: no linear module named {', '.join(missing)} in {arch.name}",
                         fix=f"choose from {', '.join(names)}")
     return chosen
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer a module name belongs to ('model.layers.12.mlp.up_proj' -> 12); None outside the layers."""
+    match = _LAYER_INDEX.search(name)
+    return int(match.group(1)) if match else None
 
 
 def first_adapted_layer(num_layers: int, last_layers: int | None, model: str = "the model") -> int:

@@ -59,7 +59,7 @@ VLLM_PREFILL_TOKENS = 8192
 
 
 INT4_KERNEL_PACK_BITS = 4
-"""Per weight in the fused INT4 kernel's own layout (orbitctl.model.int4_kernel.Int4Pack), plus a bf16 (scale, zero)
+"""Per weight in the fused INT4 kernel's own layout (orbitctl.kernels.int4_kernel.Int4Pack), plus a bf16 (scale, zero)
 pair per group."""
 
 

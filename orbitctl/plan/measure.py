@@ -16,6 +16,7 @@ from orbitctl.arch import arch_from_config
 from orbitctl.arch.spec import ArchSpec
 from orbitctl.plan.activations import ActivationSettings, train_activations
 from orbitctl.plan.adapters import plan_adapters
+from orbitctl.plan.profile_arch import profile_arch
 
 HF_MODEL_TYPE = {"kimi_k2": "deepseek_v3"}
 
@@ -69,9 +70,7 @@ def predicted_activation_bytes(arch: ArchSpec, profile) -> int:
 
 def measure_profile(profile, *, layers: int = 2) -> Measurement:
     """Run one fake training step of the scaled copy and compare with the analytic terms."""
-    from orbitctl.plan import _arch
-
-    arch = _arch(profile)
+    arch = profile_arch(profile)
     small = arch_from_config(scaled_config(arch, layers), name=f"{arch.name}-{layers}L")
     adapters = plan_adapters(small, profile.adapter)
     mem = profile.memory

@@ -45,7 +45,7 @@ OPS_EXPERT_DISPATCH = 14
 unique_consecutive), the tokens gathered, split into one run per expert and the runs concatenated, the top-k
 weights gathered and applied, one index_add into the zeroed output."""
 OPS_GROUPED_EXPERTS = 40
-"""Once per MoE layer whose routed experts run grouped (orbitctl.model.grouped_int4, an NVIDIA GPU): the slots sorted
+"""Once per MoE layer whose routed experts run grouped (orbitctl.kernels.grouped_int4, an NVIDIA GPU): the slots sorted
 into padded blocks by expert (align_blocks: 24 ops of static shapes), the activations cast, the two kernel launches
 (gate and up as one, down) with their outputs, the activation, its product, the weighted sum over the top-k slots."""
 OPS_GROUPED_BACKWARD = 40
@@ -99,7 +99,7 @@ class OpCounts:
 
 def fused_int4(quant, gpu: str) -> bool:
     """Whether the INT4 layers run the fused kernel: quant.kernel auto or fused on the CPU or an NVIDIA GPU
-    (orbitctl.model.int4_kernel; auto where its rows probe independent, as they do on the kernels measured)."""
+    (orbitctl.kernels.int4_kernel; auto where its rows probe independent, as they do on the kernels measured)."""
     from orbitctl.profile.gpus import resolve_gpu
 
     return quant.format == "int4" and quant.kernel != "dequantize" and resolve_gpu(gpu).vendor in ("cpu", "nvidia")
@@ -138,7 +138,7 @@ def decode_graphs(profile, *, moe: bool, grouped: bool, gathered: bool) -> bool:
 
 
 def grouped_experts(profile, adapters=None) -> bool:
-    """Whether the routed experts run as grouped INT4 kernels (orbitctl.model.grouped_int4): the fused kernel on an
+    """Whether the routed experts run as grouped INT4 kernels (orbitctl.kernels.grouped_int4): the fused kernel on an
     NVIDIA GPU, INT4 experts, no per-expert adapter factors, and experts ZeRO-3 does not partition (expert parallelism,
     or a lower ZeRO stage)."""
     from orbitctl.profile.gpus import resolve_gpu

@@ -26,7 +26,7 @@ MATMULS = ("mm", "addmm", "bmm")
 """Matmul ops whose last operand is the weight (``addmm``'s first operand is the bias)."""
 KERNEL_OPS = ("_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm", "int4_bf16_mm")
 """The dispatched ops' names of the fused INT4 kernels (PyTorch's CPU kernel, tinygemm, orbitctl's AVX512-BF16
-kernel, :mod:`orbitctl.model.bf16_cpu`), as an op counter (:func:`orbitctl.rl.steptime.dispatched_ops`) names them:
+kernel, :mod:`orbitctl.kernels.bf16_cpu`), as an op counter (:func:`orbitctl.rl.steptime.dispatched_ops`) names them:
 their outputs are the frozen weights' and are kept."""
 
 

@@ -610,7 +610,7 @@ class WeightReads:
 def weight_reads(arch: ArchSpec, storage: BaseStorage, layout: Layout, fused: bool = False,
                  experts_fused: bool | None = None) -> WeightReads:
     """The weights a forward reads: the embedding is a lookup (unless tied to the head), dequantized weights twice more
-    (``fused``: the INT4 kernel reads the 4-bit codes once and writes no copy, :mod:`orbitctl.model.int4_kernel`;
+    (``fused``: the INT4 kernel reads the 4-bit codes once and writes no copy, :mod:`orbitctl.kernels.int4_kernel`;
     ``experts_fused``: the same for the routed experts, when it differs: a GPU's ungrouped experts dequantize)."""
     dense_stored = storage.total_bytes - storage.expert_bytes - (storage.embedding_bytes if arch.lm_head else 0)
     dense_params = arch.params_total - arch.params_by_kind[EXPERT] - (arch.embedding.numel if arch.lm_head else 0)

@@ -182,6 +182,6 @@ def quantize_profile(profile_path: str | Path, overrides: list[str] | tuple[str,
 
 def _compute_dtype(profile) -> str:
     """quant.compute_dtype as a torch dtype name; auto is resolved for where the profile runs, as train does."""
-    from orbitctl.model.cpu_dtype import compute_dtype_name
+    from orbitctl.kernels.cpu_dtype import compute_dtype_name
 
     return TORCH_DTYPE_NAMES[compute_dtype_name(profile)]

@@ -16,7 +16,7 @@ median of CUDA-event-timed calls after a warm-up:
 - ``gemm_flops_per_s``: the bf16 [M, K] x [K, N] GEMM;
 - ``hbm_bytes_per_s``: a 1 GiB device copy (read + write);
 - ``experts_decode_bytes_per_s`` / ``experts_update_flops_per_s``: a routed-expert layer of E held INT4 experts
-  (orbitctl.model.grouped_int4.ExpertStack: the grouped Triton kernel) at the decode's and the update's rows, each
+  (orbitctl.kernels.grouped_int4.ExpertStack: the grouped Triton kernel) at the decode's and the update's rows, each
   token routed to k experts uniformly; bytes are those of the experts the rows hit;
 - ``attention_bytes_per_s``: one decode query per sequence over a bf16 KV cache of C positions
   (``scaled_dot_product_attention``); bytes are the cache read;
@@ -65,7 +65,7 @@ def cpu_rates(torch, shapes: dict) -> dict:
     """The CPU's rates, as plan --measure-time's child measures them (one thread where the parent set one)."""
     from orbitctl.rl.steptime import kernel_rates, machine_rates, overhead_rates
 
-    from orbitctl.model.cpu_dtype import torch_dtype
+    from orbitctl.kernels.cpu_dtype import torch_dtype
 
     dtype = torch_dtype(shapes["compute_dtype"])
     gemm = tuple(shapes["gemm"])
@@ -105,7 +105,7 @@ def gpu_rates(torch, shapes: dict, skipped: dict) -> dict:
     rates["hbm_bytes_per_s"] = _copy_rate(torch)
     ex = shapes.get("experts")
     if ex:
-        from orbitctl.model.grouped_int4 import ExpertStack, triton_present
+        from orbitctl.kernels.grouped_int4 import ExpertStack, triton_present
 
         if not triton_present():
             skipped["experts"] = "triton does not import"
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.cuda.get_device_name(0)
         rates = gpu_rates(torch, shapes, skipped)
     else:
-        from orbitctl.model.cpu_dtype import read_host_cpu
+        from orbitctl.kernels.cpu_dtype import read_host_cpu
 
         info = read_host_cpu()
         device = f"{info.model if info else 'unknown CPU'}, {torch.get_num_threads()} thread(s)"

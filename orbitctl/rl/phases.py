@@ -87,7 +87,7 @@ class PhaseMemory:
         """The plan's per-phase peak for ``profile`` (None where the planner has no such phase), with its ``auto``
         dtypes as this device resolves them: the plan counts auto as bf16 (the GPU rule), where a CPU without native
         bf16 computes, caches and keeps its unquantized weights in fp32."""
-        from orbitctl.model.cpu_dtype import resolved_dtype
+        from orbitctl.kernels.cpu_dtype import resolved_dtype
         from orbitctl.plan import apply_changes, plan_profile
 
         autos = {key: resolved_dtype("auto", device) for key, value in

@@ -81,8 +81,9 @@ def sample_groups(policy, items: list[PromptItem], *, group_size: int, batch_siz
     if policy.continuous_batching:
         import torch
 
-        ids, mask = policy.encode_prompts([it.prompt for it in expanded]) if expanded else \
-            (torch.zeros((0, 1), dtype=torch.long), torch.zeros((0, 1), dtype=torch.long))
+        # each prompt encoded once and repeated for its group (the padding is the same: the same prompts)
+        ids, mask = (t.repeat_interleave(group_size, dim=0) for t in policy.encode_prompts([it.prompt for it in items])) \
+            if expanded else (torch.zeros((0, 1), dtype=torch.long), torch.zeros((0, 1), dtype=torch.long))
         samples = policy.sample_stream(ids, mask, slots=batch_size, max_new_tokens=max_new_tokens,
                                        temperature=temperature, top_p=top_p, generator=generator, keep_dist=keep_dist,
                                        draws=KeyedDraws(keys[0], tuple(row_keys)) if row_keys else None)

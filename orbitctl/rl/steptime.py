@@ -56,7 +56,7 @@ def kernel_rates(torch, shape: tuple[int, int, int], group_size: int) -> list[tu
     ``orbitctl quantize`` writes them, at :data:`KERNEL_ROWS` up to the update's ``m`` rows and at ``m``; each the
     best of three runs."""
     from orbitctl.codec.formats import round_scales
-    from orbitctl.model.int4_kernel import unsupported_shape
+    from orbitctl.kernels.int4_kernel import unsupported_shape
     from orbitctl.model.quant_linear import QuantLinear
 
     m, k, n = shape
@@ -144,7 +144,7 @@ def overhead_rates(torch, dtype) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from orbitctl.model.cpu_dtype import torch_dtype
+    from orbitctl.kernels.cpu_dtype import torch_dtype
     from orbitctl.profile import load_profile
     from orbitctl.rl.api import train
     from orbitctl.rundir import RunDir

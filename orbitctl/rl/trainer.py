@@ -139,7 +139,7 @@ def run_loop(profile, fresh, emit, rank, world, torch, closing) -> TrainResult:
     _prepare_run_dir(run, profile, fresh, rank)
 
     torch.manual_seed(profile.run.seed)
-    from orbitctl.model.cpu_dtype import run_device_type
+    from orbitctl.kernels.cpu_dtype import run_device_type
     from orbitctl.rl.phases import PhaseMemory
 
     # the baseline: before the base is built, quantized or loaded, so that what building it imports counts

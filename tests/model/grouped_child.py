@@ -17,7 +17,7 @@ import torch
 def kernel() -> dict:
     """grouped_int4_mm against grouped_reference on uneven routings (an expert with no slot, one with 17, shapes off
     the block sizes): the largest difference and the reference's scale."""
-    from orbitctl.model.grouped_int4 import align_blocks, grouped_int4_mm, grouped_reference
+    from orbitctl.kernels.grouped_int4 import align_blocks, grouped_int4_mm, grouped_reference
 
     g = torch.Generator().manual_seed(0)
     result = {}
@@ -68,7 +68,7 @@ def kimi() -> dict:
     the float32 run also against the float32 reference (the same sums, nothing rounded to bf16)."""
     import triton
 
-    from orbitctl.model.grouped_int4 import align_blocks, grouped_int4_mm, grouped_reference
+    from orbitctl.kernels.grouped_int4 import align_blocks, grouped_int4_mm, grouped_reference
 
     bf16_dot_error = dot_probe(torch.bfloat16)
     result = {"triton": triton.__version__, "bf16_dot_error": bf16_dot_error,
@@ -102,7 +102,7 @@ def layer(model_dir: str) -> dict:
     """A tiny INT4 MoE's QuantExperts with its experts stacked against the same layer's per-expert loop, both on fp16
     activations: forward and input gradient, the ops each issues for two routings, and the parameters as views."""
     from orbitctl.model.frozen_base import load_frozen_base, use_grouped_experts
-    from orbitctl.model.grouped_int4 import ExpertStack
+    from orbitctl.kernels.grouped_int4 import ExpertStack
     from orbitctl.model.quant_linear import QuantExperts
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -135,7 +135,7 @@ def layer(model_dir: str) -> dict:
             Count.ops += 1
             return func(*args, **(kwargs or {}))
 
-    from orbitctl.model.grouped_int4 import align_blocks
+    from orbitctl.kernels.grouped_int4 import align_blocks
 
     with torch.no_grad():  # the ops one launch issues here: the dispatcher op (its output allocated inside it)
         rows, blocks = align_blocks(index.reshape(-1), moe.num_experts)

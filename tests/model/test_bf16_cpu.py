@@ -1,4 +1,4 @@
-"""The AVX512-BF16 INT4 kernel (orbitctl.model.bf16_cpu): what it computes, its layout, where it runs and where not."""
+"""The AVX512-BF16 INT4 kernel (orbitctl.kernels.bf16_cpu): what it computes, its layout, where it runs and where not."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from orbitctl.codec.formats import dequantize_int4, pack_int4, quantize_int4, unpack_int4
-from orbitctl.model import bf16_cpu
-from orbitctl.model.int4_kernel import Int4Pack
+from orbitctl.kernels import bf16_cpu
+from orbitctl.kernels.int4_kernel import Int4Pack
 
 BF16_HALF_ULP = 2.0 ** -8
 needs_kernel = pytest.mark.skipif(not bf16_cpu.available(), reason="the CPU has no AVX512-BF16 (or it is capped)")
@@ -83,7 +83,7 @@ def test_a_pack_of_exact_scales_takes_it_and_other_scales_keep_pytorchs_kernel()
 
 
 def test_a_cpu_without_native_bf16_or_under_the_cap_is_told_why(monkeypatch):
-    from orbitctl.model import cpu_dtype, cpu_state
+    from orbitctl.kernels import cpu_dtype, cpu_state
 
     monkeypatch.setattr(bf16_cpu, "host_isa", bf16_cpu.host_isa.__wrapped__)  # asked afresh under each stub
     # the OS enabled the AVX-512 state (what the OS answers is tests/model/test_cpu_isa.py's)
@@ -129,7 +129,7 @@ def _attention_inputs(batch=5, heads=8, kv_heads=2, length=37, dim=64, room=11, 
 
 @needs_kernel
 def test_the_decode_attention_kernel_is_the_torch_paths_function_reading_the_cache_in_place(monkeypatch):
-    from orbitctl.model import decode_attention as python_path
+    from orbitctl.kernels import decode_attention as python_path
 
     q, k, v = _attention_inputs()
     assert not k.is_contiguous()

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from orbitctl.errors import UserError
-from orbitctl.model.cpu_dtype import (BF16_FLAGS, CAP_ENV, bf16_verdict, device_type, onednn_cap, parse_cpuinfo,
+from orbitctl.kernels.cpu_dtype import (BF16_FLAGS, CAP_ENV, bf16_verdict, device_type, onednn_cap, parse_cpuinfo,
                                       read_host_cpu, resolve_dtype)
 
 AVX2_EPYC = frozenset({"sse4_2", "avx", "avx2", "fma"})
@@ -98,7 +98,7 @@ def test_device_type():
 
 
 def test_planned_dtype_needs_no_torch():
-    code = ("import sys; from orbitctl.model.cpu_dtype import planned_dtype; "
+    code = ("import sys; from orbitctl.kernels.cpu_dtype import planned_dtype; "
             "print(planned_dtype('auto', 'cpu', {'ONEDNN_MAX_CPU_ISA': 'AVX2'}), planned_dtype('auto', 'cuda'), "
             "planned_dtype('fp32', 'cuda'), 'torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -109,7 +109,7 @@ def test_unreadable_cpuinfo_is_none(tmp_path):
     assert read_host_cpu(str(tmp_path / "missing")) is None
 
 
-_RESOLVE = ("import torch; from orbitctl.model.cpu_dtype import resolved_dtype; "
+_RESOLVE = ("import torch; from orbitctl.kernels.cpu_dtype import resolved_dtype; "
             "print(resolved_dtype('auto', 'cpu'), resolved_dtype('auto', 'cuda:0'), resolved_dtype('bf16', 'cpu'), "
             "torch.backends.cpu.get_cpu_capability())")
 

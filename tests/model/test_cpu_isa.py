@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from orbitctl.codec.formats import pack_int4, quantize_int4
-from orbitctl.model import bf16_cpu, cpu_dtype, cpu_state, quant_linear
-from orbitctl.model.cpu_state import KernelAnswers
-from orbitctl.model.int4_kernel import ran_kernel
+from orbitctl.kernels import bf16_cpu, cpu_dtype, cpu_state
+from orbitctl.model import quant_linear
+from orbitctl.kernels.cpu_state import KernelAnswers
+from orbitctl.kernels.int4_kernel import ran_kernel
 from orbitctl.model.quant_linear import QuantLinear
 from orbitctl.rl.steptime import dispatched_ops
 
@@ -100,7 +101,7 @@ AMX_PATHS = {**AVX512_PATHS, "64 expert rows": True}
     (SPR - {"amx_tile"}, GRANTED, "the CPU lacks amx_tile"),
 ])
 def test_amx_is_never_used_without_both_the_cpu_flags_and_the_kernels_grant(host, caplog, flags, amx_errno, refusal):
-    with caplog.at_level(logging.INFO, logger="orbitctl.model.bf16_cpu"):
+    with caplog.at_level(logging.INFO, logger="orbitctl.kernels.bf16_cpu"):
         choice = host(flags, amx_errno=amx_errno)
     assert choice.amx is not None and refusal in choice.amx, choice
     # the CPU without the flags is never asked (the request would change this process for nothing)

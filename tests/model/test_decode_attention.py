@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from orbitctl.model.decode_attention import DECODE_SDPA, attention, decode_attention, use_decode_attention
-from orbitctl.model.kv_cache import RoomyKVCache, RoomyLayer, append_rows, new_kv_cache
+from orbitctl.kernels.decode_attention import DECODE_SDPA, attention, decode_attention, use_decode_attention
+from orbitctl.kernels.kv_cache import RoomyKVCache, RoomyLayer, append_rows, new_kv_cache
 
 
 def _qkv(batch=3, heads=4, kv_heads=2, length=9, dim=16, dtype=torch.float32, seed=0):

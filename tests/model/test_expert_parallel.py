@@ -67,7 +67,7 @@ def _worker(rank: int, path: str, store: str, out: str) -> None:
         with torch.no_grad():  # the infer path: the same layer without autograd
             infer_err = float((split(input_ids=ids, use_cache=False).logits - ref_logits).abs().max())
         # the static exchange (a CUDA graph's decode step): all-gather, the local experts, reduce-scatter
-        from orbitctl.model.graph_decode import static_shapes
+        from orbitctl.kernels.graph_capture import static_shapes
 
         exchanged = []
         original = ExpertParallelExperts.static_exchange

@@ -14,7 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from orbitctl.model.graph_decode import StaticDecode, graphs_apply  # noqa: E402
+from orbitctl.kernels.graph_capture import graphs_apply  # noqa: E402
+from orbitctl.model.graph_decode import StaticDecode  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""The grouped INT4 expert kernel (orbitctl.model.grouped_int4): its block alignment, its numerics and its layer,
+"""The grouped INT4 expert kernel (orbitctl.kernels.grouped_int4): its block alignment, its numerics and its layer,
 the kernel run by Triton's CPU interpreter in a child process (tests/model/grouped_child.py); what the plan counts."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from orbitctl.model.grouped_int4 import align_blocks, triton_present
+from orbitctl.kernels.grouped_int4 import align_blocks, triton_present
 
 ROOT = Path(__file__).resolve().parents[2]
 FP16_ULP = 2.0 ** -10

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from orbitctl.codec.formats import dequantize_int4, pack_int4, quantize_int4
-from orbitctl.model.int4_kernel import Int4Pack, ran_kernel, unsupported_shape
+from orbitctl.kernels.int4_kernel import Int4Pack, ran_kernel, unsupported_shape
 from orbitctl.model.quant_linear import ExpertMLP, QuantLinear
 from orbitctl.rl.steptime import count_ops, dispatched_ops
 
@@ -57,7 +57,7 @@ def test_auto_fuses_only_where_each_row_is_the_same_whatever_the_rows_beside_it(
     """What lets the one-token decode (infer path) and the full-sequence forward (train path) agree at the floor:
     where the probe finds it, rows of other shapes hold it too; where not, auto dequantizes."""
     from orbitctl.model.frozen_base import int4_kernel
-    from orbitctl.model.int4_kernel import rows_are_independent
+    from orbitctl.kernels.int4_kernel import rows_are_independent
 
     if not rows_are_independent():
         assert int4_kernel("auto", "int4", "cpu") == "dequantize"
@@ -256,7 +256,7 @@ def _dense_layer(out_f: int, in_f: int, scale_dtype=torch.bfloat16) -> QuantLine
 
 
 def _native_bf16(monkeypatch, native: bool) -> None:
-    from orbitctl.model import cpu_dtype
+    from orbitctl.kernels import cpu_dtype
 
     monkeypatch.setattr(cpu_dtype, "host_bf16", lambda: cpu_dtype.Bf16Verdict(native, "as the test says"))
 
@@ -314,8 +314,8 @@ def test_an_experts_shared_gate_up_pack_takes_the_dense_gemm_for_many_rows(monke
 
 def test_whole_sequences_take_the_dense_gemm_whatever_their_rows_and_decode_steps_keep_the_kernel(monkeypatch):
     """By the forward's kind: a group's prompt prefilled once and the same prompt in a batch of 32 take one path."""
-    from orbitctl.model import bf16_cpu
-    from orbitctl.model.cpu_dtype import host_bf16
+    from orbitctl.kernels import bf16_cpu
+    from orbitctl.kernels.cpu_dtype import host_bf16
 
     # where the dense path runs for real on AVX512-BF16, a row's result is the same in any batch (on AMX tiles
     # oneDNN's blocking may round a row by the rows beside it: quant_linear's docstring)

@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from orbitctl.distances import js_divergence, logsoftmax_l1  # noqa: E402
-from orbitctl.model.kv_cache import Fp8KVCache, dequantize_groups, new_kv_cache  # noqa: E402
+from orbitctl.kernels.kv_cache import Fp8KVCache, dequantize_groups, new_kv_cache  # noqa: E402
 
 FORMATS = {"e4m3": (torch.float8_e4m3fn, 3, -6), "e5m2": (torch.float8_e5m2, 2, -14)}
 """float8 format -> (dtype, mantissa bits, smallest normal exponent)."""

@@ -4,8 +4,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from orbitctl.model import cpu_dtype  # noqa: E402
-from orbitctl.model.cpu_dtype import Bf16Verdict  # noqa: E402
+from orbitctl.kernels import cpu_dtype  # noqa: E402
+from orbitctl.kernels.cpu_dtype import Bf16Verdict  # noqa: E402
 
 NATIVE = Bf16Verdict(True, "fake: a CPU with AVX512-BF16")
 EMULATED = Bf16Verdict(False, "fake: an AVX2-only CPU")
@@ -39,7 +39,7 @@ def test_the_demo_profile_asks_for_auto(small_profile):
                          ids=["native-bf16", "no-native-bf16"])
 def test_policy_with_auto_computes_in_the_resolved_dtype(small_profile, monkeypatch, verdict, expected):
     from orbitctl.builder import load_policy
-    from orbitctl.model.cpu_dtype import compute_dtype_name
+    from orbitctl.kernels.cpu_dtype import compute_dtype_name
 
     profile = small_profile()
     base, split = _base(profile)  # one cached base: the load, not the build, applies the dtype

@@ -253,7 +253,7 @@ def test_tiny_cpu_with_chunks_of_4_learns_like_the_default_run(small_profile):
     """One step of the demo profile with ``memory.loss_chunk_size: 4`` reports the default run's first-step
     loss and metrics within the floor: the default run with the step split into twice as many micro-batches."""
     from orbitctl.launch.api import train
-    from orbitctl.model.cpu_dtype import compute_dtype_name, torch_dtype
+    from orbitctl.kernels.cpu_dtype import compute_dtype_name, torch_dtype
     from orbitctl.rundir import read_metrics
 
     def first_step(name, **overrides):

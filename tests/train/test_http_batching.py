@@ -136,7 +136,7 @@ def _rows(batch):
     ([3, 4, 5, 6, 7, 9, 10, 11, 20, 21, 22], 16, [1, 4, 1, 2, 3]),  # unaligned start, gaps, a cap of 4 prompts
 ])
 def test_batched_requests_sample_the_tokens_of_one_request_per_prompt(served, positions, batch_size, requests):
-    from orbitctl.model.cpu_dtype import compute_dtype_name
+    from orbitctl.kernels.cpu_dtype import compute_dtype_name
     from orbitctl.profile import load_profile
 
     one_each, singles = _collect(served, positions, GROUP)

@@ -60,7 +60,7 @@ def test_the_demo_is_learned_through_the_engine_within_the_kernel_floor(tmp_path
     assert _train(shared).returncode == 0
     floor = max(r["mismatch_logp_abs_max"] for r in _metrics(tmp_path / "shared"))
     # where the kernels agree bitwise the floor is 0: then a few ulps of the largest log-prob the engine returns
-    from orbitctl.model.cpu_dtype import compute_dtype_name
+    from orbitctl.kernels.cpu_dtype import compute_dtype_name
 
     dtype = torch.bfloat16 if compute_dtype_name(load_profile(http)) == "bf16" else torch.float32
     ulps = 8 * torch.finfo(dtype).eps * 10.0  # a few ulps of a log-prob of magnitude <= 10

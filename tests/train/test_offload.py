@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from orbitctl.model.decode_attention import DECODE_SDPA  # noqa: E402
+from orbitctl.kernels.decode_attention import DECODE_SDPA  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

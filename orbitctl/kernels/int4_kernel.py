@@ -128,7 +128,7 @@ def _scale_terms(scale: torch.Tensor) -> list[torch.Tensor]:
 class Int4Pack:
     """One INT4 weight in the fused kernel's layout. ``kind`` says which kernel: ``"aten"`` (PyTorch's, on the
     CPU or tinygemm on CUDA: codes [out, in/2] uint8 and, per scale term, the kernel's [in/group, out, 2] bf16
-    (scale, zero point 0) table) or ``"bf16"`` (:mod:`orbitctl.model.bf16_cpu`, on a CPU with AVX512-BF16 for
+    (scale, zero point 0) table) or ``"bf16"`` (:mod:`orbitctl.kernels.bf16_cpu`, on a CPU with AVX512-BF16 for
     weights exact in bf16: its codes [out, in/2] uint8 and one float32 [out, in/group] scale table)."""
 
     packed: torch.Tensor
@@ -142,7 +142,7 @@ class Int4Pack:
     def of(cls, weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> "Int4Pack":
         """Repack a checkpoint INT4 weight (int32 words [out, in/8], scales [out, in/group])."""
         from orbitctl.codec.formats import scales_exact_in_bf16, unpack_int4
-        from orbitctl.model import bf16_cpu
+        from orbitctl.kernels import bf16_cpu
 
         out_features, words = weight_packed.shape
         in_features = words * 8
@@ -175,10 +175,16 @@ class Int4Pack:
         return sum(t.numel() * t.element_size() for t in (self.packed, *self.scales_and_zeros))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T for x [..., in]: the result in x's dtype (bf16-rounded, see the module's docstring)."""
+        """x W^T for x [..., in]: the result in x's dtype (bf16-rounded, see the module's docstring).
+
+        Numerics: x rounded to bf16, W = (code - 8) x scale exactly (fp16 scales as two bf16 terms, their results
+        summed in float32), accumulated in float32, rounded to bf16, cast to x's dtype. Rows independent (each output
+        row depends only on its input row, bit for bit, whatever the rows beside it) where
+        :func:`rows_are_independent` says so. The reference: the dequantized weight in bf16 times the bf16 x
+        through a float32-accumulating matmul, the same products summed in another order."""
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if self.kind == "bf16":
-            from orbitctl.model import bf16_cpu
+            from orbitctl.kernels import bf16_cpu
 
             out = bf16_cpu.matmul(rows, self.packed, self.scales_and_zeros[0], self.group_size)
             return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)

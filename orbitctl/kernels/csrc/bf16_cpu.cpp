@@ -4,7 +4,7 @@
 // bf16 number (scales of at most 5 significant bits): the products are exact in float32, accumulated in float32
 // (AVX512-BF16 dot products, vdpbf16ps), the result rounded once to bf16.
 //
-// Layout (orbitctl.model.bf16_cpu.pack): codes unsigned (code + 8), per output row n, K/32 chunks of 16 bytes;
+// Layout (orbitctl.kernels.bf16_cpu.pack): codes unsigned (code + 8), per output row n, K/32 chunks of 16 bytes;
 // byte j of chunk c holds the code of k = 32c + j in its low nibble and of k = 32c + 16 + j in its high nibble.
 // scales: float32 [N, K/G]; G a multiple of 32.
 //
@@ -13,7 +13,7 @@
 // float32 sum over K in chunk order followed by one horizontal sum: it depends only on its own row of x, whatever
 // M is (a decode step and a batch compute the same numbers).
 //
-// Built at first use by orbitctl.model.bf16_cpu (g++ -O3 -fopenmp); the functions carry their own target
+// Built at first use by orbitctl.kernels.bf16_cpu (g++ -O3 -fopenmp); the functions carry their own target
 // attributes, so the library loads on any x86-64 CPU and is only called where the CPU has AVX512-BF16.
 
 #include <immintrin.h>

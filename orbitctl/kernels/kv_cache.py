@@ -133,7 +133,12 @@ class RoomyKVCache(Cache):
 
 def quantize_groups(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` ``[..., d]`` in float8 with one float32 scale per last-dimension group: ``(payload, scale [..., 1])``,
-    ``scale = amax / fmax`` (fmax: 448 for e4m3, 57344 for e5m2)."""
+    ``scale = amax / fmax`` (fmax: 448 for e4m3, 57344 for e5m2).
+
+    Numerics: ``x`` in any float dtype, divided by its group's float32 scale in float32, rounded once to the float8
+    format (relative error at most half its mantissa step: ``2^-4`` for e4m3). Groups independent: a token's
+    (row, head) scale is fixed when written. :func:`dequantize_groups` is the inverse, ``payload x scale`` in float32
+    rounded to the compute dtype."""
     fmax = torch.finfo(fp8_dtype).max
     amax = x.detach().abs().amax(dim=-1, keepdim=True).float()
     # an all-zero group keeps a positive scale (its payload is 0 either way)

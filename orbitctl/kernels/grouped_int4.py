@@ -129,7 +129,12 @@ def grouped_int4_mm(a: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
     """For every slot ``s < slots``: ``out[s] = a[s // row_div] @ W[e(s)]^T``, ``W[e] = dequantized words[e], scales[e]``.
 
     ``a`` [rows_a, K] (bf16 or fp16), ``words`` [E, N, K/8] int32, ``scales`` [E, N, K/group]; ``rows`` and
-    ``block_expert`` from :func:`align_blocks`. Returns ``[slots, N]`` in ``a``'s dtype."""
+    ``block_expert`` from :func:`align_blocks`. Returns ``[slots, N]`` in ``a``'s dtype.
+
+    Numerics: ``W = (code - 8) x scale`` in float32 rounded to ``a``'s dtype, ``a W^T`` accumulated in float32 by
+    ``tl.dot``, one rounding to ``a``'s dtype. Slots independent: a slot's result reads only its row and its
+    expert's weight, whatever the other slots and blocks. Equals :func:`grouped_reference` up to the order of the
+    float32 sums."""
     import triton
 
     k = a.shape[-1]
@@ -217,24 +222,13 @@ def grouped_reference(a: torch.Tensor, words: torch.Tensor, scales: torch.Tensor
     return torch.stack(out).to(a.dtype)
 
 
-def grouped_supported(module, *, buffers_only: bool = False) -> bool:
-    """Whether the grouped kernel can run the routed experts of ``module`` (a MoE layer: ``held`` and ``expert``): INT4
-    experts on a CUDA device (or on the CPU under Triton's interpreter, ``TRITON_INTERPRET=1``), Triton present, and under ZeRO-3
-    (``buffers_only``) experts held as buffers (expert parallelism), which ZeRO does not partition."""
+def runs_on(device_type: str) -> bool:
+    """Whether the kernel can run on tensors of ``device_type``: a CUDA device (or the CPU under Triton's interpreter,
+    ``TRITON_INTERPRET=1``) with Triton present, imported only where it could run."""
     import os
 
-    from orbitctl.model.quant_linear import QuantLinear
-
-    if not len(module.held):
-        return False
-    gate = module.expert(module.held[0]).gate_proj
-    if not isinstance(gate, QuantLinear) or gate.fmt != "int4":
-        return False
-    if buffers_only and "weight_packed" not in gate._buffers:
-        return False
-    device = gate.weight_packed.device.type
-    interpreted = device == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-    return (device == "cuda" or interpreted) and triton_present()  # Triton imported only where it could run
+    interpreted = device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    return (device_type == "cuda" or interpreted) and triton_present()
 
 
 def takes_lora(lora) -> bool:

@@ -17,7 +17,7 @@ and in the exponential (the kernel's is a vectorised approximation), so the deco
 full-sequence forward agree to the compute dtype's rounding, not bit for bit: the kernel floor that
 verify-alignment measures on the machine that runs it (:mod:`orbitctl.align.floor`).
 
-In bf16 on a CPU with AVX512-BF16 the same sums run in :func:`orbitctl.model.bf16_cpu.decode_attention`, which
+In bf16 on a CPU with AVX512-BF16 the same sums run in :func:`orbitctl.kernels.bf16_cpu.decode_attention`, which
 reads K and V where the cache holds them instead of converting the history to float32 every step.
 
 Everything else goes to transformers' SDPA attention unchanged: any forward with more than one query
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from orbitctl.model.quant_linear import real_eager
+from orbitctl.kernels.eager import real_eager
 
 DECODE_SDPA = "orbitctl_sdpa"
 """The ``attn_implementation`` name: SDPA, with :func:`decode_attention` for the CPU's one-position queries."""
@@ -40,9 +40,14 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """Attention of one query position per row: query ``[B, H, 1, D]``, key ``[B, Hkv, T, D]``, value
     ``[B, Hkv, T, Dv]`` (``H`` a multiple of ``Hkv``: grouped queries read their KV head without a copy), ``mask``
     None, boolean (True: attend) or additive, broadcastable to ``[B, H, 1, T]``; returns ``[B, H, 1, Dv]`` in the
-    query's dtype. A row whose every position is masked gets zeros."""
+    query's dtype. A row whose every position is masked gets zeros.
+
+    Numerics: Q, K, V in the compute dtype (bf16, fp16 or float32); scores, softmax and the product with V
+    accumulated in float32, the exponentials rounded to the compute dtype before that product, one rounding to the
+    compute dtype at the end. Each (row, head) is independent of the others. The reference: SDPA's fused CPU kernel,
+    the same function with its float32 sums in another order (the module's docstring)."""
     if query.dtype == torch.bfloat16:  # bf16 on a CPU with AVX512-BF16: the same sums, reading the cache in place
-        from orbitctl.model import bf16_cpu
+        from orbitctl.kernels import bf16_cpu
 
         out = bf16_cpu.decode_attention(query, key, value, mask, scaling)
         if out is not None:

@@ -17,7 +17,7 @@ what ``orbitctl quantize`` writes), the products of the bf16 activations and wei
 accumulated in float32, the result rounded once to bf16; each output row depends only on its own input row, bit
 for bit, whatever the number of rows.
 
-**Decode attention.** :func:`orbitctl.model.decode_attention.decode_attention` in bf16, reading K and V where the
+**Decode attention.** :func:`orbitctl.kernels.decode_attention.decode_attention` in bf16, reading K and V where the
 cache holds them (strided views) instead of converting the whole history to float32 every step: float32 scores
 from ``vdpbf16ps``, the masked softmax in float32 (a vectorised exp: Cephes' polynomial), the exponentials rounded
 to bf16 for the product with V, float32 accumulation and one rounding.
@@ -30,7 +30,7 @@ threads.
 **Which ISA, asked of the CPU and of the OS** (:func:`host_isa`, the rule in :func:`choose_isa`). CPUID's flags are
 not enough: an AVX-512 instruction whose registers the OS did not enable in XCR0, or an AMX tile instruction before
 the kernel granted this process the tile data, raises SIGILL like one the CPU lacks
-(:mod:`orbitctl.model.cpu_state`). So the AVX512-BF16 kernels run only where the CPU has the flags, XCR0 holds the
+(:mod:`orbitctl.kernels.cpu_state`). So the AVX512-BF16 kernels run only where the CPU has the flags, XCR0 holds the
 opmask and ZMM states, and nothing caps the kernels below them (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``);
 and a compiler built the library, whose first calls ran in a child process once (:func:`first_calls`, through
 :func:`orbitctl.isolated.run_isolated`; a stamp beside the library, keyed by the CPU and XCR0, records it): a
@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from orbitctl.model import cpu_state
+from orbitctl.kernels import cpu_state
 
 SOURCE = Path(__file__).with_name("csrc") / "bf16_cpu.cpp"
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
@@ -93,9 +93,9 @@ class IsaChoice:
 
 def choose_isa(flags, answers: cpu_state.KernelAnswers, bf16, env) -> IsaChoice:
     """The rule: ``flags`` (/proc/cpuinfo's), the kernel's ``answers`` (XCR0, the tile-data request), the bf16
-    verdict (:func:`orbitctl.model.cpu_dtype.host_bf16`: torch's kernel capability and the caps) and ``env`` (the
+    verdict (:func:`orbitctl.kernels.cpu_dtype.host_bf16`: torch's kernel capability and the caps) and ``env`` (the
     oneDNN cap) -> what may run. A CPUID flag alone never selects an ISA."""
-    from orbitctl.model import cpu_dtype
+    from orbitctl.kernels import cpu_dtype
 
     missing = [flag for flag in CPU_FLAGS if flag not in flags]
     avx512 = (f"the CPU lacks {', '.join(missing)}" if missing
@@ -112,7 +112,7 @@ def choose_isa(flags, answers: cpu_state.KernelAnswers, bf16, env) -> IsaChoice:
 def host_isa() -> IsaChoice:
     """:func:`choose_isa` on this machine, asked once per process: the CPU's flags, XCR0 and (where the CPU has AMX)
     the tile-data request made by this process; where AMX is not used, one log line says why."""
-    from orbitctl.model import cpu_dtype
+    from orbitctl.kernels import cpu_dtype
 
     info = cpu_dtype.read_host_cpu()
     flags = info.flags if info is not None else frozenset()
@@ -204,7 +204,7 @@ def first_calls(path: str) -> None:
 
 def _host_key() -> str:
     """The CPU and the OS state a library's first calls were tried on: its model, flags and XCR0."""
-    from orbitctl.model import cpu_dtype
+    from orbitctl.kernels import cpu_dtype
 
     info = cpu_dtype.read_host_cpu()
     xcr0 = cpu_state.ask_kernel(request_amx=False).xcr0
@@ -300,7 +300,10 @@ def _dequantize(packed: torch.Tensor, scales: torch.Tensor, group_size: int, out
 def dequantize_into(packed: torch.Tensor, scales: torch.Tensor, group_size: int, out: torch.Tensor) -> torch.Tensor:
     """The dense weight, written into ``out`` (contiguous bf16 [out, in]): every value exactly
     :func:`~orbitctl.codec.formats.dequantize_int4`'s, in one pass (a table lookup per 32 weights) where the
-    float32 route makes five over int32 and float32 copies. Only where :func:`available`."""
+    float32 route makes five over int32 and float32 copies. Only where :func:`available`.
+
+    Numerics: int4 codes and scales exact in bf16 in, bf16 out, no sum: ``(code - 8) x scale`` is exact in bf16, so
+    it equals :func:`~orbitctl.codec.formats.dequantize_int4` in bf16 bit for bit."""
     if out.dtype != torch.bfloat16 or not out.is_contiguous():
         raise ValueError("dequantize_into writes a contiguous bf16 tensor")
     torch.ops.orbitctl.int4_bf16_dequantize(packed, scales, group_size, out)
@@ -308,7 +311,13 @@ def dequantize_into(packed: torch.Tensor, scales: torch.Tensor, group_size: int,
 
 
 def matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    """x W^T for bf16 x [M, in] (made contiguous): [M, out] bf16. Only where :func:`available`."""
+    """x W^T for bf16 x [M, in] (made contiguous): [M, out] bf16. Only where :func:`available`.
+
+    Numerics: bf16 x times weights exact in bf16 (:func:`pack` takes only scales exact in bf16), each product exact in
+    float32, accumulated in float32, rounded once to bf16. Rows independent: an output row is the same bits whatever
+    the rows beside it (M = 1 or 600). Equals the exact sum ``x.double() @ dequantize_int4(...).double().T`` within
+    one bf16 rounding and float32 accumulation; PyTorch's ``_weight_int4pack_mm_for_cpu`` sums the same products
+    in another order (at most a bf16 step apart)."""
     return torch.ops.orbitctl.int4_bf16_mm(x.to(torch.bfloat16).contiguous(), packed, scales, group_size)
 
 
@@ -339,10 +348,16 @@ torch.library.register_fake("orbitctl::decode_attention", _attend_fake, lib=_OPS
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                      scaling: float) -> torch.Tensor | None:
-    """:func:`orbitctl.model.decode_attention.decode_attention` for bf16 tensors on a CPU where :func:`available`,
+    """:func:`orbitctl.kernels.decode_attention.decode_attention` for bf16 tensors on a CPU where :func:`available`,
     reading the cache's strided views in place (no float32 copy of K and V); None where it does not apply (the
     caller's torch path then runs): other dtypes, head sizes not a multiple of 32 (values: 16, at most 128), a
-    mask per head."""
+    mask per head.
+
+    Numerics: bf16 Q, K, V; scores summed in float32 from exact products, the masked softmax in float32, the
+    exponentials rounded to bf16 for the product with V, accumulated in float32, one rounding to bf16. Each (row,
+    head) independent of the others. Equals the torch path of
+    :func:`orbitctl.kernels.decode_attention.decode_attention` but for the order of the float32 sums and the
+    vectorised exponential."""
     batch, heads, positions, dim = query.shape
     dim_v = value.shape[-1]
     if (positions != 1 or not available() or dim % CHUNK or dim_v % 16 or dim_v > 128

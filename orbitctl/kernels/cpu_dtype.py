@@ -1,6 +1,6 @@
 """What ``auto`` means for a dtype here: bf16 where it runs natively, else fp32.
 
-    from orbitctl.model.cpu_dtype import resolve_dtype, resolved_dtype, torch_dtype
+    from orbitctl.kernels.cpu_dtype import resolve_dtype, resolved_dtype, torch_dtype
     resolve_dtype("auto", "cpu", cpu_native_bf16=False)   # 'fp32' (the rule, a pure function)
     resolved_dtype("auto", "cpu")                          # the rule on this host
     torch_dtype("auto", "cuda:0")                          # torch.bfloat16

@@ -1,6 +1,6 @@
 """What the OS lets a process run on its CPU: the register states the kernel enabled (XCR0) and AMX's tile data.
 
-    from orbitctl.model import cpu_state
+    from orbitctl.kernels import cpu_state
     answers = cpu_state.ask_kernel(request_amx=True)     # this process asks (x86-64 Linux; elsewhere: no answers)
     cpu_state.avx512_state_missing(flags, answers)       # None, or why the AVX-512 registers may not be used
     cpu_state.amx_refusal(flags, answers)                # None where this process may run AMX tile instructions
