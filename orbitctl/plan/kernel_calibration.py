@@ -3,7 +3,8 @@ machine, and write the calibration file a profile names as ``hardware.calibratio
 
 The measuring runs in a child process (``python -m orbitctl.rl.kernelrates``, which imports torch and the kernels):
 the planner sits below them. A GPU profile is calibrated on a machine with a GPU of its kind (the device's name must
-contain the catalog entry's, e.g. "H200"); a CPU profile on any CPU, on one thread as ``--measure-time`` times it.
+contain the catalog entry's, e.g. "H200"); a CPU profile on any CPU, on one thread as ``--measure-time`` times it,
+the host's tokenizer rates with the profile's own tokenizer (its base is built first where it is not cached).
 On one GPU the grouped INT4 experts, a dense bf16 GEMM, decode attention and a device copy take under 2 minutes;
 the all-to-all needs the profile's world size and is left to the published rate.
 """
@@ -73,6 +74,12 @@ def calibrate(profile, out: str | Path) -> Path:
     if shapes["device"] == "cpu":
         env.update(OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS))
     with tempfile.TemporaryDirectory(prefix="orbitctl-calibrate-") as tmp:
+        if shapes["device"] == "cpu":  # the host's rates use the profile's own tokenizer and prompts
+            import yaml
+
+            shapes["profile"] = str(Path(tmp) / "profile.yaml")
+            with open(shapes["profile"], "w", encoding="utf-8") as fh:
+                yaml.safe_dump(profile.model_dump(mode="json"), fh, sort_keys=False)
         path = Path(tmp) / "shapes.json"
         path.write_text(json.dumps(shapes), encoding="utf-8")
         try:
@@ -98,6 +105,7 @@ def calibrate(profile, out: str | Path) -> Path:
         orbitctl_version = version("orbitctl")
     except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
         orbitctl_version = "unknown"
+    shapes.pop("profile", None)  # a temporary file: the profile is named below
     doc = {"gpu": spec.name, "device": got["device"], "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "profile": profile.name, "orbitctl": orbitctl_version, "torch": got.get("torch"), "rates": got["rates"],
            "shapes": shapes, "skipped": got.get("skipped", {})}

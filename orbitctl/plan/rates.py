@@ -128,8 +128,17 @@ SOURCES: dict[str, Rate] = {
                         "synchronisation and an 8-byte copy, 10-20 us", "s", brief="a sync and an 8-byte copy"),
     "lockstep_s": Rate(25e-6, ASSUMED, "the expert-parallel lockstep's all-reduce of one integer per decode step "
                        "(NCCL small-message latency in a node, 10-30 us)", "s", brief="NCCL small messages 10-30 us"),
-    "keyed_draw_s": Rate(2.5e-6, MEASURED, "host seconds per row and decode step of the keyed uniform "
-                         "(orbitctl.model.draws), 1.5-3.7 us on a 2-core AMD EPYC", "s", brief="2-core AMD EPYC"),
+    "keyed_draw_s": Rate(2.5e-6, MEASURED, "host seconds per row and sampled token of the keyed uniform "
+                         "(orbitctl.model.draws), 1.5-3.7 us on a 2-core AMD EPYC; --calibrate measures a CPU's", "s",
+                         brief="2-core AMD EPYC"),
+    "encode_token_s": Rate(1.0e-6, MEASURED, "host seconds per prompt token the tokenizer encodes (a batch, padded, "
+                           "as tensors: orbitctl.model.policy.Policy.encode_prompts): 0.95 us with SmolLM2's byte-level "
+                           "BPE (Rust tokenizers), 64 prompts of 80 words, on a 2-core AMD EPYC; --calibrate measures "
+                           "a CPU profile's own tokenizer and prompts", "s", brief="SmolLM2 BPE, 2-core AMD EPYC"),
+    "decode_token_s": Rate(0.3e-6, MEASURED, "host seconds per completion token turned back into text for the reward "
+                           "(Policy.decode, one call a row): 0.21-0.33 us with SmolLM2's BPE at 16-1,024 tokens a row, "
+                           "on a 2-core AMD EPYC; --calibrate measures a CPU profile's own", "s",
+                           brief="SmolLM2 BPE, 2-core AMD EPYC"),
     "cpu_op_s": Rate(7e-6, MEASURED, "an eager op of transformers' modules at hidden 64, bf16, one thread, on a "
                      "2-core AVX512-BF16 AMD EPYC (6.8-7.3 us); --calibrate measures this machine's", "s",
                      brief="2-core AVX512-BF16 AMD EPYC"),

@@ -85,7 +85,11 @@ HOST_SYNC_S = SOURCES["host_sync_s"].value
 LOCKSTEP_S = SOURCES["lockstep_s"].value
 """Seconds per decode step of the expert-parallel lockstep's all-reduce of one integer over the EP group. Serial."""
 KEYED_DRAW_S = SOURCES["keyed_draw_s"].value
-"""Host seconds per row and decode step to compute its keyed uniform; the inverse CDF runs on the device."""
+"""Host seconds per row and sampled token to compute its keyed uniform; the inverse CDF runs on the device."""
+ENCODE_TOKEN_S = SOURCES["encode_token_s"].value
+"""Host seconds per prompt token the tokenizer encodes before the prefill. Serial."""
+DECODE_TOKEN_S = SOURCES["decode_token_s"].value
+"""Host seconds per completion token the tokenizer turns back into text after the decode (for the reward). Serial."""
 KERNEL_CLASSES = ("experts", "dense", "attention")
 """The kernels a GPU phase is timed by, one after another: the routed experts' grouped GEMMs, the dense GEMMs
 (attention projections, shared experts, dense layers, output layer, adapters) and attention over the context."""
@@ -137,6 +141,12 @@ class Peaks:
     """Seconds per kernel of a replayed CUDA graph, floor and gap (a CPU's: unused)."""
     host_link: float = 31.5e9
     """Bytes/s one direction of the GPU's link to host RAM (the catalog's host link: PCIe 4.0 or 5.0 x16)."""
+    keyed_draw_s: float = KEYED_DRAW_S
+    """Host seconds per row and sampled token of the keyed uniform (orbitctl.model.draws)."""
+    encode_token_s: float = ENCODE_TOKEN_S
+    """Host seconds per prompt token through the tokenizer (its chat template included)."""
+    decode_token_s: float = DECODE_TOKEN_S
+    """Host seconds per completion token back to text."""
     kernel_flops: tuple[tuple[int, float], ...] = ()
     """FLOP/s of the fused INT4 kernel (``quant.kernel``) measured at a few row counts, ``(rows, FLOP/s)`` by rows;
     empty: the same as ``flops`` (the catalog's GPUs). A CPU's kernel runs its own loops, whose rate depends on the
@@ -166,7 +176,8 @@ def peaks_of(profile, eff: Efficiency = Efficiency()) -> Peaks:
     cpu = spec.vendor == "cpu"
     return Peaks(flops=spec.bf16_tflops * 1e12, hbm=spec.hbm_bandwidth_gbs * 1e9, link=link,
                  nic=eff.nic_gbits_per_gpu * 1e9 / 8, op_s=CPU_OP_S if cpu else KERNEL_LAUNCH_S, synchronous=cpu,
-                 block_s=CPU_BLOCK_S if cpu else 0.0, host_link=host_link_bytes(spec.host_link))
+                 block_s=CPU_BLOCK_S if cpu else 0.0, host_link=host_link_bytes(spec.host_link),
+                 keyed_draw_s=KEYED_DRAW_S, encode_token_s=ENCODE_TOKEN_S, decode_token_s=DECODE_TOKEN_S)
 
 
 HOST_LINKS = {"PCIe5": 63e9, "PCIe4": 31.5e9, "PCIe3": 15.75e9}
@@ -198,7 +209,7 @@ TERM_RATES = {
     "experts compute": ("experts_compute",), "experts HBM": ("experts_hbm",), "dense compute": ("compute",),
     "dense HBM": ("hbm",), "attention compute": ("compute",), "attention HBM": ("attention_hbm",),
     "kernel floors": ("kernel_floor_s",), "gaps": ("graph_gap_s", "stream_gap_s"), "launches": ("launch_s",),
-    "comm": ("link", "nic_gbits_per_gpu", "allreduce_latency_s"), "host": ("host_sync_s", "lockstep_s", "keyed_draw_s"),
+    "comm": ("link", "nic_gbits_per_gpu", "allreduce_latency_s"), "host": ("host_sync_s", "lockstep_s", "keyed_draw_s", "encode_token_s", "decode_token_s"),
     "offload": ("host_link",),
     "cpu compute": ("cpu_flops",), "cpu memory": ("cpu_bytes",), "cpu overhead": ("cpu_op_s", "cpu_block_s"),
 }
@@ -367,14 +378,20 @@ def _retime(phase: PhaseTime, peaks: Peaks, eff: Efficiency) -> PhaseTime:
     return out
 
 
+HOST_RATES = ("keyed_draw_s", "encode_token_s", "decode_token_s")
+"""The host's per-unit rates a CPU calibration measures (orbitctl.rl.steptime.host_rates); rates.SOURCES' where it
+does not."""
+
+
 def peaks_of_rates(rates: dict) -> Peaks:
     """The Peaks of rates measured on a CPU (``flops_per_s``, ``bytes_per_s``, ``op_s``, ``attention_block_s``,
-    optionally ``adapter_flops_per_s`` and ``kernel_flops_per_s``, the fused INT4 kernel's ``[rows, FLOP/s]``
-    pairs): one op after another."""
+    optionally ``adapter_flops_per_s``, ``kernel_flops_per_s``, the fused INT4 kernel's ``[rows, FLOP/s]`` pairs, and
+    the host's :data:`HOST_RATES`): one op after another."""
     bandwidth = rates["bytes_per_s"]
     return Peaks(flops=rates["flops_per_s"], hbm=bandwidth, link=bandwidth, nic=bandwidth, op_s=rates["op_s"],
                  synchronous=True, block_s=rates["attention_block_s"],
                  adapter_flops=rates.get("adapter_flops_per_s", 0.0),
+                 **{key: rates[key] for key in HOST_RATES if key in rates},
                  kernel_flops=tuple((int(rows), float(rate)) for rows, rate in rates.get("kernel_flops_per_s", ())))
 
 
@@ -414,7 +431,7 @@ def profile_rates(profile) -> tuple[dict[str, Rate], Peaks | None]:
         rates.update({k: replace(v, value=1.0, kind=MEASURED, source=f"{where}: absolute rates, factor 1")
                       for k, v in rates.items() if k in FACTORS})
         for key, name in (("flops_per_s", "cpu_flops"), ("bytes_per_s", "cpu_bytes"), ("op_s", "cpu_op_s"),
-                          ("attention_block_s", "cpu_block_s")):
+                          ("attention_block_s", "cpu_block_s"), *((k, k) for k in HOST_RATES if k in got)):
             rates[name] = Rate(got[key], MEASURED, where, rates[name].unit)
         return rates, peaks_of_rates(got)
     peaks = peaks_of(profile)
@@ -762,11 +779,17 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
         work=scaled(forward_work(engine_reads, batch, decode_attn, decode_kv), rounds * steps),
         latency_s=rounds * steps * 2 * arch.num_layers * ALLREDUCE_LATENCY_S if tp > 1 else 0.0),
         peaks, eff)
+    # the host's own work, serial on any device: each prompt encoded once (a group shares it), each completion
+    # turned back into text for its reward, and (orbitctl's sampler) each row's keyed uniform at each sampled token
+    prompts = shape.sequences / profile.rl.group_size
+    prefill.host_s = prompts * prompt * peaks.encode_token_s
+    draws = 0.0 if separate else shape.sequences * new * peaks.keyed_draw_s  # an engine samples with its own generator
+    decode.host_s = shape.sequences * new * peaks.decode_token_s + draws
     if not peaks.synchronous:  # a CPU's ops already wait for each other; a GPU's decode waits for its host each step
         lockstep = LOCKSTEP_S if layout.expert_parallel_on and layout.expert_parallel > 1 and not separate else 0.0
-        draws = 0.0 if separate else batch * KEYED_DRAW_S  # an engine samples with its own generator
-        decode.host_s = rounds * steps * (HOST_SYNC_S + lockstep + draws)
-        decode.terms["host"] = decode.host_s
+        decode.host_s += rounds * steps * (HOST_SYNC_S + lockstep)
+    for part in (prefill, decode):
+        part.terms["host"] = part.host_s
     rollout = PhaseTime(flops=prefill.flops + decode.flops, hbm_bytes=prefill.hbm_bytes + decode.hbm_bytes,
                         intra_bytes=prefill.intra_bytes + decode.intra_bytes, inter_bytes=inter,
                         tokens=shape.decode_tokens * world,

@@ -6,11 +6,13 @@ SHAPES.json (written by orbitctl.plan.calibrate from the profile, or by benchmar
 
     {"device": "cpu" | "cuda", "compute_dtype": "bf16", "gemm": [M, K, N], "rank": R, "group_size": G,
      "fused": true,                                   # the CPU's fused INT4 kernel runs the profile's layers
+     "profile": "PROFILE.yaml",                       # a CPU's: the host's tokenizer and draw rates
      "experts": {"held": E, "hidden": H, "width": I, "top_k": k, "decode_rows": B, "update_rows": T},
      "attention": {"batch": B, "kv_heads": h, "head_dim": D, "context": C}}
 
 On a CPU it measures what ``plan --measure-time`` does (orbitctl.rl.steptime): the GEMM, the adapters' thin GEMM,
-the fused INT4 kernel by rows, a memory copy, one eager op and one attention work item. On a CUDA GPU, each the
+the fused INT4 kernel by rows, a memory copy, one eager op, one attention work item and the host's rates
+(``encode_token_s``, ``decode_token_s``, ``keyed_draw_s``). On a CUDA GPU, each the
 median of CUDA-event-timed calls after a warm-up:
 
 - ``gemm_flops_per_s``: the bf16 [M, K] x [K, N] GEMM;
@@ -77,6 +79,11 @@ def cpu_rates(torch, shapes: dict) -> dict:
     kernel = kernel_rates(torch, gemm, shapes["group_size"]) if shapes.get("fused") else []
     if kernel:
         rates["kernel_flops_per_s"] = [list(p) for p in kernel]
+    if shapes.get("profile"):
+        from orbitctl.profile import load_profile
+        from orbitctl.rl.steptime import host_rates
+
+        rates.update(host_rates(torch, load_profile(shapes["profile"])))
     return rates
 
 

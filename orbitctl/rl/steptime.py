@@ -6,7 +6,8 @@ Measures the matmul throughput of an [M, K] x [K, N] GEMM (the model's own updat
 the adapters' thin [M, K] x [K, R] one in the profile's compute dtype, of the fused INT4 kernel on an [N, K]
 weight at a few row counts up to M (where the profile's layers run it), the memory bandwidth of a
 256 MiB copy, the cost of one eager op issued from transformers' modules and of one attention work item
-(one sequence and head of a tiny causal attention), each the best of several runs; then runs
+(one sequence and head of a tiny causal attention) and the rollout's host work per token (:func:`host_rates`: the
+tokenizer both ways, the keyed draws), each the best of several runs; then runs
 STEPS steps (default 1) of ``train`` in RUN_DIR and reads each step's ``time_rollout_s`` and
 ``time_update_s`` from metrics.jsonl: the fastest of the steps after the first (which pays the
 warm-up), as each microbenchmark is the best of its runs, so that both time this core
@@ -141,6 +142,37 @@ def overhead_rates(torch, dtype) -> tuple[float, float]:
     return op_s, block_s
 
 
+def host_rates(torch, profile) -> dict[str, float]:
+    """The rollout's host work outside ATen ops, per unit, with the profile's own tokenizer and the step's own prompts,
+    each the best of five runs: ``encode_token_s`` (a prompt token through :meth:`Policy.encode_prompts
+    <orbitctl.model.policy.Policy.encode_prompts>`, its chat template included), ``decode_token_s`` (a completion
+    token back to text through ``Policy.decode``: completions of ``rollout.max_new_tokens`` of the prompts' own
+    tokens, one call a row) and ``keyed_draw_s`` (one row's keyed uniform at one token, orbitctl.model.draws). An
+    environment's data (``env:NAME``) has no prompt list: its encoding is left to the default rate."""
+    from orbitctl.builder import load_policy, prepare_frozen_base
+    from orbitctl.data.prompts import load_prompts
+    from orbitctl.model.draws import KeyedDraws
+
+    from orbitctl.rl.envs import env_name
+
+    rows = profile.rl.prompts_per_step * profile.rl.group_size
+    draws = KeyedDraws(profile.run.seed, tuple(range(rows)))
+    rates = {"keyed_draw_s": _best_of(lambda: draws.uniforms(1)) / rows}
+    if env_name(profile.data.train) is not None:
+        return rates
+    split = load_prompts(profile.data, profile.run.seed)
+    prompts = [item.prompt for item in split.train[:profile.rl.prompts_per_step]]
+    policy = load_policy(profile, prepare_frozen_base(profile, split.warm_task), device="cpu")
+    ids, mask = policy.encode_prompts(prompts)
+    rates["encode_token_s"] = _best_of(lambda: policy.encode_prompts(prompts)) / int(mask.sum())
+    tokens = ids[mask.bool()]
+    new = profile.rollout.max_new_tokens
+    completions = tokens[torch.arange(rows * new) % tokens.numel()].view(rows, new)
+    every = torch.ones_like(completions)
+    rates["decode_token_s"] = _best_of(lambda: policy.decode(completions, every)) / (rows * new)
+    return rates
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -165,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
     fused = int4_kernel(profile.quant.kernel, profile.quant.format, "cpu") == "fused"
     kernel = kernel_rates(torch, shape, profile.quant.group_size) if fused else []
+    host = host_rates(torch, profile)
     train(profile, fresh=True, steps=steps * per)
     records = [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines() if line.strip()]
     # one record per optimizer step: a rollout's time is on its first, every update on its own
@@ -172,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     updates = [sum(float(r["time_update_s"]) for r in records[i:i + per]) for i in range(0, len(records), per)]
     steady = slice(1, None) if len(rollouts) > 1 else slice(None)
     print(json.dumps({"flops_per_s": flops, "bytes_per_s": bandwidth, "adapter_flops_per_s": thin,
-                      "op_s": op_s, "attention_block_s": block_s, "kernel_flops_per_s": kernel, "dtype": str(dtype).removeprefix("torch."),
+                      "op_s": op_s, "attention_block_s": block_s, "kernel_flops_per_s": kernel, **host,
+                      "dtype": str(dtype).removeprefix("torch."),
                       "threads": torch.get_num_threads(), "steps": len(rollouts),
                       "rollout_s": min(rollouts[steady]), "policy_update_s": min(updates[steady]),
                       "first_rollout_s": rollouts[0], "first_policy_update_s": updates[0]}))

@@ -27,16 +27,18 @@ def _measured_step(profile, peaks):
 @pytest.mark.parametrize("name,change", [("tiny-cpu", {}),
                                          ("tiny-moe-cpu", {"hardware.gpus_per_node": 1, "memory.expert_parallel": 1})])
 def test_cpu_prediction_terms_are_non_negative_and_add_up(repo, name, change):
-    """The CPU rule: compute + memory + overhead + comm (one op after another); overhead = ops x op_s + items x
-    block_s."""
+    """The CPU rule: compute + memory + overhead + comm + host (one op after another, then the host's own work);
+    overhead = ops x op_s + items x block_s."""
     peaks = Peaks(flops=2e11, hbm=2e10, link=2e10, nic=2e10, op_s=6e-6, synchronous=True, block_s=2e-6,
                   adapter_flops=5e10)
     step = _measured_step(_profile(repo, name, **change), peaks)
     for phase in (step.phases["policy_update"], *step.phases["rollout"].parts.values()):
-        for term in (phase.compute_s, phase.memory_s, phase.comm_s, phase.overhead_s, phase.ops, phase.items):
+        for term in (phase.compute_s, phase.memory_s, phase.comm_s, phase.overhead_s, phase.host_s, phase.ops,
+                     phase.items):
             assert term >= 0
         assert phase.overhead_s == pytest.approx(phase.ops * 6e-6 + phase.items * 2e-6)
-        assert phase.seconds == pytest.approx(phase.compute_s + phase.memory_s + phase.overhead_s + phase.comm_s)
+        assert phase.seconds == pytest.approx(phase.compute_s + phase.memory_s + phase.overhead_s + phase.comm_s
+                                              + phase.host_s)
         assert phase.ops > 0 and phase.overhead_s > 0
     rollout = step.phases["rollout"]
     assert rollout.seconds == pytest.approx(sum(p.seconds for p in rollout.parts.values()))

@@ -243,8 +243,10 @@ def test_calibrate_on_this_cpu_writes_a_file_the_plan_then_uses(repo, tmp_path):
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())
     assert doc["gpu"] == "cpu" and doc["format"] == "orbitctl-calibration" and doc["shapes"]["gemm"][0] > 0
-    for key in ("flops_per_s", "bytes_per_s", "op_s", "attention_block_s", "adapter_flops_per_s"):
+    for key in ("flops_per_s", "bytes_per_s", "op_s", "attention_block_s", "adapter_flops_per_s", "keyed_draw_s",
+                "encode_token_s", "decode_token_s"):
         assert doc["rates"][key] > 0, key
+    assert "profile" not in doc["shapes"]  # the temporary copy the child read is not named
     planned = json.loads(result.stdout)
     assert planned["calibration_written"] == str(out)
     assert planned["timing"]["rates"]["cpu_op_s"]["kind"] == MEASURED
@@ -252,6 +254,8 @@ def test_calibrate_on_this_cpu_writes_a_file_the_plan_then_uses(repo, tmp_path):
     profile = _profile(repo, "tiny-cpu", **{"hardware.calibration": str(out)})
     rates, peaks = profile_rates(profile)
     assert peaks.flops == doc["rates"]["flops_per_s"] and peaks.op_s == doc["rates"]["op_s"] and peaks.synchronous
+    for key in ("keyed_draw_s", "encode_token_s", "decode_token_s"):  # the host's rates of this CPU and tokenizer
+        assert getattr(peaks, key) == doc["rates"][key] and rates[key].kind == MEASURED, key
     assert all(rates[k].value == 1.0 for k in ("compute", "hbm", "link"))
     # the uncalibrated plan of the same profile rests on the catalog's stand-in, and says so
     plain, _ = profile_rates(resolve_rollout_batch(_profile(repo, "tiny-cpu")))

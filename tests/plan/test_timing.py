@@ -230,29 +230,42 @@ def test_a_groups_prompt_is_prefilled_once(repo, batch, group, rows):
     assert rows >= -(-batch // group)
 
 
-def test_a_gpu_decode_counts_its_serial_host_work_per_step(repo, monkeypatch):
-    """Each decoded step of a GPU rollout waits for its host: the read of the done flag, the expert-parallel
-    lockstep's all-reduce, and the keyed draws' uniforms, one a row (the inverse CDF runs on the device). Added to
-    the decode's seconds, never overlapped; a CPU's ops already wait for each other."""
+def test_the_rollout_counts_its_serial_host_work(repo, monkeypatch):
+    """The host's work in a rollout, added to its seconds and never overlapped: each prompt's tokens encoded once
+    before the prefill (a group shares its prompt), each completion's tokens turned back into text after the decode,
+    each row's keyed uniform at each sampled token (the inverse CDF runs on the device); on a GPU also each decode
+    step's read of the done flag and the expert-parallel lockstep's all-reduce. A CPU has no device to wait for, but
+    the same tokenizer and draws."""
     from orbitctl.plan import timing
+    from orbitctl.plan.comm import completions_per_gpu, decode_forwards, decoded_tokens, prompt_tokens
 
-    profile = _profile(repo, "kimi-k2_grpo_int4_8xh200")
+    def host_s(profile, sync=0.0, lockstep=0.0, draw=0.0, encode=0.0, decode=0.0):
+        for name, value in (("HOST_SYNC_S", sync), ("LOCKSTEP_S", lockstep), ("KEYED_DRAW_S", draw),
+                            ("ENCODE_TOKEN_S", encode), ("DECODE_TOKEN_S", decode)):
+            monkeypatch.setattr(timing, name, value)
+        rollout = plan_profile(profile, with_advice=False).timing.phases["rollout"]
+        return rollout.parts["prefill"].host_s, rollout.parts["decode"].host_s
 
-    def host_s(sync, lockstep, draw):
-        monkeypatch.setattr(timing, "HOST_SYNC_S", sync)
-        monkeypatch.setattr(timing, "LOCKSTEP_S", lockstep)
-        monkeypatch.setattr(timing, "KEYED_DRAW_S", draw)
-        return plan_profile(profile, with_advice=False).timing.phases["rollout"].parts["decode"].host_s
-
-    steps = host_s(1.0, 0.0, 0.0)  # every decoded step of every round, once
-    assert steps == 4 * 3071  # 4 rounds of 3,071 decode forwards (3,072 tokens, the last never fed back)
-    assert host_s(0.0, 1.0, 0.0) == steps  # EP 8: one lockstep a step
-    rows = host_s(0.0, 0.0, 1.0) / steps
-    assert rows == int(rows) and rows >= 1  # one uniform per row of the rollout batch
+    kimi = _profile(repo, "kimi-k2_grpo_int4_8xh200")
+    sequences, new = completions_per_gpu(kimi), decoded_tokens(kimi)
+    assert (new, decode_forwards(kimi)) == (3072, 3071)
+    rounds = 4  # of sequences / 4 rows each
+    assert host_s(kimi, sync=1.0) == (0.0, rounds * 3071)  # every decode forward of every round, once
+    assert host_s(kimi, lockstep=1.0) == (0.0, rounds * 3071)  # EP 8: one lockstep a forward
+    assert host_s(kimi, draw=1.0) == (0.0, sequences * new)  # one uniform per row and sampled token
+    assert host_s(kimi, encode=1.0) == (sequences / 8 * prompt_tokens(kimi), 0.0)  # groups of 8 share a prompt
+    assert host_s(kimi, decode=1.0) == (0.0, sequences * new)
     monkeypatch.undo()
-    decode = plan_profile(profile, with_advice=False).timing.phases["rollout"].parts["decode"]
-    assert decode.host_s == pytest.approx(steps * (timing.HOST_SYNC_S + timing.LOCKSTEP_S + rows * timing.KEYED_DRAW_S))
-    assert decode.terms["host"] == decode.host_s
+    rollout = plan_profile(kimi, with_advice=False).timing.phases["rollout"]
+    prefill, decode = rollout.parts["prefill"], rollout.parts["decode"]
+    assert decode.host_s == pytest.approx(rounds * 3071 * (timing.HOST_SYNC_S + timing.LOCKSTEP_S)
+                                          + sequences * new * (timing.KEYED_DRAW_S + timing.DECODE_TOKEN_S))
+    assert decode.terms["host"] == decode.host_s and prefill.terms["host"] == prefill.host_s > 0
     assert decode.seconds == pytest.approx(sum(decode.terms.values()))
-    cpu = plan_profile(_profile(repo, "tiny-cpu"), with_advice=False)
-    assert cpu.timing.phases["rollout"].parts["decode"].host_s == 0.0
+    assert rollout.host_s == pytest.approx(prefill.host_s + decode.host_s)
+    # the CPU demo: 32 prompts, 256 completions of 2 tokens, no done flag to wait for
+    tiny = _profile(repo, "tiny-cpu")
+    assert host_s(tiny, sync=1.0, lockstep=1.0) == (0.0, 0.0)
+    assert host_s(tiny, draw=1.0) == (0.0, 256 * 2)
+    assert host_s(tiny, encode=1.0) == (32 * prompt_tokens(tiny), 0.0)
+    assert host_s(tiny, decode=1.0) == (0.0, 256 * 2)
