@@ -82,7 +82,7 @@ demo: setup
 	$(BIN)/orbitctl verify-alignment profiles/tiny-cpu.yaml --per-layer
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 clean:
 	rm -rf $(VENV) runs

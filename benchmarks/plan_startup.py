@@ -9,7 +9,9 @@ The floor is ``python -c "import typer, rich, pydantic, yaml"`` with the same in
 any command of this CLI pays before it does anything. The ratio is the plan's median over the
 floor's. The model floor, timed alongside, is the floor plus one one-field pydantic model built and
 validated: the least a command that validates its input with pydantic models can cost (pydantic's
-model machinery and its plugin scan). ``--where`` prints the heaviest imports of the plan process
+model machinery and its plugin scan); the plan's median over it is printed too. Without ``--bytecode`` the
+orbitctl modules whose ``__pycache__`` holds current bytecode are read from it, the others compiled: a clean
+clone under ``PYTHONDONTWRITEBYTECODE=1`` compiles them all on every run. ``--where`` prints the heaviest imports of the plan process
 (``python -X importtime``, by cumulative time) and a cProfile top 20 of the in-process part: load
 the profile, plan, render. ``--bytecode`` times them with bytecode written and read
 (``PYTHONDONTWRITEBYTECODE`` unset, a temporary ``PYTHONPYCACHEPREFIX``, one warm-up run each):
@@ -102,11 +104,13 @@ def measure(profile: Path, runs: int) -> dict:
     doc["cpu_ratio"] = doc["plan"]["cpu_median_s"] / doc["floor"]["cpu_median_s"]
     doc["model_ratio"] = doc["model"]["median_s"] / doc["floor"]["median_s"]
     doc["model_cpu_ratio"] = doc["model"]["cpu_median_s"] / doc["floor"]["cpu_median_s"]
+    doc["plan_over_model"] = doc["plan"]["median_s"] / doc["model"]["median_s"]
+    doc["plan_over_model_cpu"] = doc["plan"]["cpu_median_s"] / doc["model"]["cpu_median_s"]
     return doc
 
 
 def print_measurement(doc: dict) -> None:
-    """The figures of ``measure`` as six lines."""
+    """The figures of ``measure`` as seven lines."""
     env = ", ".join(f"{k}={v}" for k, v in doc["env"].items()) or "none of " + ", ".join(ENV_SHOWN)
     print(f"{doc['runs']} runs each, {doc['profile']} (env: {env})")
     for name in ("plan", "floor", "model"):
@@ -115,6 +119,7 @@ def print_measurement(doc: dict) -> None:
               f"  (CPU median {s['cpu_median_s']:.3f} s)")
     print(f"  ratio plan/floor (medians): {doc['ratio']:.2f}x wall, {doc['cpu_ratio']:.2f}x CPU")
     print(f"  ratio model/floor (medians): {doc['model_ratio']:.2f}x wall, {doc['model_cpu_ratio']:.2f}x CPU")
+    print(f"  ratio plan/model (medians): {doc['plan_over_model']:.2f}x wall, {doc['plan_over_model_cpu']:.2f}x CPU")
 
 
 def heaviest_imports(profile: Path, top: int) -> list[tuple[int, int, str]]:

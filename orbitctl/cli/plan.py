@@ -248,7 +248,8 @@ def _time_table(timing):
                       seconds_text(p.overhead_s + p.host_s), seconds_text(p.seconds), p.bound,
                       f"{p.tokens_per_s:,.0f}" if p.tokens else "-")
     if timing.phases["rollout"].synchronous:
-        rule = "time = compute + HBM + overhead + comm, one op after another\n(docs/plan.md)"
+        rule = ("time = compute + HBM + overhead + comm, one op after another;\n"
+                "overhead: the ops' own and the host's (tokenizer, draws) (docs/plan.md)")
     else:
         rule = ("time: kernels one after another (each class at the slowest of FLOPs,\n"
                 "bytes, floors) + comm + host; overhead: floors, gaps, host (docs/plan.md)")

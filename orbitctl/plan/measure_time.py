@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 
 from orbitctl.plan.timing import Efficiency, Peaks, StepTime, peaks_of_rates  # noqa: F401 (benchmarks import it here)
 
-STEPS = 4
+STEPS = 6
 """Steps timed: the first pays the warm-up (allocator, lazy kernels, new GEMM shapes); the prediction is of a
-steady step, measured as the fastest of the others (on shared cores the slower ones are the neighbours' time)."""
+steady step, measured as the fastest of the other five (on shared cores the slower ones are the neighbours' time:
+with three, one run in three of the demo's 25 ms rollout still measured a burst, 35 ms)."""
 THREADS = 1
 """Torch threads of the timed child: on a machine whose cores are shared a second thread waits on a busy core and
 the step's time is the scheduler's; one thread times this core, and the microbenchmarks run on the same one."""

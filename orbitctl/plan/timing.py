@@ -210,6 +210,7 @@ TERM_RATES = {
     "dense HBM": ("hbm",), "attention compute": ("compute",), "attention HBM": ("attention_hbm",),
     "kernel floors": ("kernel_floor_s",), "gaps": ("graph_gap_s", "stream_gap_s"), "launches": ("launch_s",),
     "comm": ("link", "nic_gbits_per_gpu", "allreduce_latency_s"), "host": ("host_sync_s", "lockstep_s", "keyed_draw_s", "encode_token_s", "decode_token_s"),
+    "cpu host": ("keyed_draw_s", "encode_token_s", "decode_token_s"),
     "offload": ("host_link",),
     "cpu compute": ("cpu_flops",), "cpu memory": ("cpu_bytes",), "cpu overhead": ("cpu_op_s", "cpu_block_s"),
 }
@@ -317,8 +318,14 @@ def _timed(phase: PhaseTime, peaks: Peaks, eff: Efficiency) -> PhaseTime:
         _timed_cpu(phase, peaks, eff)
     else:
         _timed_gpu(phase, peaks, eff)
-    phase.terms.update({"comm": phase.comm_s, "host": phase.host_s})
+    phase.terms.update({"comm": phase.comm_s, host_term(peaks): phase.host_s})
     return phase
+
+
+def host_term(peaks: Peaks) -> str:
+    """The name of a phase's host term: ``cpu host`` where the host runs the ops too (no device to wait for: only the
+    tokenizer and the draws), else ``host``."""
+    return "cpu host" if peaks.synchronous else "host"
 
 
 def _timed_cpu(phase: PhaseTime, peaks: Peaks, eff: Efficiency) -> None:
@@ -789,7 +796,7 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
         lockstep = LOCKSTEP_S if layout.expert_parallel_on and layout.expert_parallel > 1 and not separate else 0.0
         decode.host_s += rounds * steps * (HOST_SYNC_S + lockstep)
     for part in (prefill, decode):
-        part.terms["host"] = part.host_s
+        part.terms[host_term(peaks)] = part.host_s
     rollout = PhaseTime(flops=prefill.flops + decode.flops, hbm_bytes=prefill.hbm_bytes + decode.hbm_bytes,
                         intra_bytes=prefill.intra_bytes + decode.intra_bytes, inter_bytes=inter,
                         tokens=shape.decode_tokens * world,

@@ -208,6 +208,9 @@ def test_measure_time_times_one_real_step_of_tiny_cpu(repo):
     assert m.flops_per_s > 0 and m.bytes_per_s > 0
     assert set(m.to_dict()) == {"flops_per_s", "bytes_per_s", "rates", "rows", "predicted", "notes"}
     assert m.rates["op_s"] > 0 and m.rates["attention_block_s"] > 0 and m.rates["threads"] == 1
+    # the host's rates, with the demo's own character tokenizer and prompts
+    assert all(m.rates[key] > 0 for key in ("encode_token_s", "decode_token_s", "keyed_draw_s"))
+    assert m.predicted.phases["rollout"].host_s > 0
 
 
 def test_sweep_rows_carry_the_predicted_time(repo):
@@ -269,3 +272,8 @@ def test_the_rollout_counts_its_serial_host_work(repo, monkeypatch):
     assert host_s(tiny, draw=1.0) == (0.0, 256 * 2)
     assert host_s(tiny, encode=1.0) == (32 * prompt_tokens(tiny), 0.0)
     assert host_s(tiny, decode=1.0) == (0.0, 256 * 2)
+    monkeypatch.undo()
+    decode = plan_profile(tiny, with_advice=False).timing.phases["rollout"].parts["decode"]
+    # named for what it is on a CPU: no device to wait for, its rates the tokenizer's and the draws'
+    assert decode.terms["cpu host"] == decode.host_s > 0 and "host" not in decode.terms
+    assert timing.TERM_RATES["cpu host"] == ("keyed_draw_s", "encode_token_s", "decode_token_s")
