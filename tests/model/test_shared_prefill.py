@@ -44,7 +44,10 @@ def _policy(name: str, tmp_path_factory, **sets):
 
 @pytest.mark.parametrize("name, kv", [("tiny-cpu.yaml", "bf16"), ("tiny-moe-cpu.yaml", "bf16"),
                                       ("tiny-moe-cpu.yaml", "fp8")])
-def test_a_group_prefilled_once_samples_what_each_row_samples_alone(name, kv, tmp_path_factory, model_cache):
+def test_a_group_prefilled_once_samples_what_each_row_samples_alone(name, kv, tmp_path_factory, model_cache,
+                                                                    monkeypatch):
+    from orbitctl.model import policy as policy_module
+
     policy, split = _policy(name, tmp_path_factory, **{"rollout.kv_dtype": kv})
     items = split.train[:3]
     prompts = [items[i].prompt for i in (0, 0, 1, 0, 2, 1, 2, 2)]
@@ -60,18 +63,32 @@ def test_a_group_prefilled_once_samples_what_each_row_samples_alone(name, kv, tm
         hook.remove()
     assert widths[0][0] == 3, widths[0]  # the prefill ran the three distinct prompts
     assert all(w[0] == len(prompts) and w[1] == 1 for w in widths[1:])  # every decode step ran every row
+    # the floor, measured here: the same eight rows each prefilled on its own (nothing shared), against each row alone
+    with monkeypatch.context() as patch:
+        patch.setattr(policy_module, "shared_prompts", lambda ids, mask: (None, None))
+        unshared = policy.sample(ids, mask, max_new_tokens=6, temperature=1.0, top_p=1.0, generator=None,
+                                 draws=KeyedDraws(3, keys), keep_dist=True)
+    alone, apart, floor = [], [], 0.0
     for row, key in enumerate(keys):
-        alone = policy.sample(ids[row:row + 1], mask[row:row + 1], max_new_tokens=6, temperature=1.0, top_p=1.0,
-                              generator=None, draws=KeyedDraws(3, (key,)), keep_dist=True)
-        width = alone.completion_ids.shape[1]
-        assert torch.equal(together.completion_ids[row, :width], alone.completion_ids[0])
-        assert torch.equal(together.completion_mask[row, :width], alone.completion_mask[0])
-        assert not together.completion_mask[row, width:].any()
-        # one row and eight rows take different matmul blockings: a few roundings of the compute dtype apart
-        bound = 64 * torch.finfo(policy.model.get_input_embeddings().weight.dtype).eps
-        kept = alone.completion_mask[0].bool()
-        assert (together.dist[row, :width][kept] - alone.dist[0][kept]).abs().max() <= bound * (
-            1 + alone.dist[0][kept].abs().max())
+        one = policy.sample(ids[row:row + 1], mask[row:row + 1], max_new_tokens=6, temperature=1.0, top_p=1.0,
+                            generator=None, draws=KeyedDraws(3, (key,)), keep_dist=True)
+        width = one.completion_ids.shape[1]
+        for batch in (together, unshared):
+            assert torch.equal(batch.completion_ids[row, :width], one.completion_ids[0])
+            assert torch.equal(batch.completion_mask[row, :width], one.completion_mask[0])
+            assert not batch.completion_mask[row, width:].any()
+        kept = one.completion_mask[0].bool()
+        alone.append(one)
+        apart.append((together.dist[row, :width][kept] - one.dist[0][kept]).abs().max())
+        floor = max(floor, float((unshared.dist[row, :width][kept] - one.dist[0][kept]).abs().max()))
+    # one row and eight rows take different matmul blockings: a few roundings of the compute dtype apart, or, with
+    # the fp8 cache, what a cached value rounded to the next e4m3 step does (seen under the AVX2 cap in fp32: 1e-3),
+    # which the floor shows
+    bound = 64 * torch.finfo(policy.model.get_input_embeddings().weight.dtype).eps
+    for row, one in enumerate(alone):
+        kept = one.completion_mask[0].bool()
+        assert apart[row] <= max(4 * floor, bound * (1 + one.dist[0][kept].abs().max())), (row, apart[row], floor)
         if policy.routing is not None:
-            assert torch.equal(together.prompt_routes[row], alone.prompt_routes[0])
-            assert torch.equal(together.routes[row, :width], alone.routes[0])
+            width = one.completion_ids.shape[1]
+            assert torch.equal(together.prompt_routes[row], one.prompt_routes[0])
+            assert torch.equal(together.routes[row, :width], one.routes[0])
