@@ -253,7 +253,7 @@ def test_real_demo_run_has_no_fail(tmp_path):
     sets = {"rl.steps": 40, "rl.prompts_per_step": 8, "rl.group_size": 4, "memory.micro_batch_size": 16,
             "rollout.batch_size": 32, "rl.warmup_steps": 0, "run.eval_every": 100, "run.save_every": 100,
             "data.eval_size": 16, "run.dir": str(run)}
-    env = {**os.environ, "ORBITCTL_CACHE": os.environ.get("ORBITCTL_TEST_CACHE") or str(tmp_path / "cache")}
+    env = dict(os.environ)  # the session's ORBITCTL_CACHE (tests/conftest.py): the demo base built once
     cli = [sys.executable, "-m", "orbitctl.cli.app"]
     trained = subprocess.run([*cli, "train", str(DEMO), "--json", *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]],
                              env=env, capture_output=True, text=True, timeout=900)

@@ -40,6 +40,10 @@ def host(monkeypatch):
     kernel answers XCR0 ``xcr0`` (None: a kernel before 5.16) and the tile-data request ``amx_errno`` (0: granted).
     ``host.requests`` records whether each question asked for AMX."""
     bf16_cpu.available()  # the library is loaded (or not) on this machine's real answers, before any stub
+    # the played machine's kernels are capped by nothing (a test of the caps sets them itself): the suite's run under
+    # ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 plays the same machines
+    for cap in cpu_dtype.CAP_ENV:
+        monkeypatch.delenv(cap, raising=False)
 
     def play(flags, xcr0=XCR0_SPR, amx_errno=GRANTED):
         def ask_kernel(request_amx):
