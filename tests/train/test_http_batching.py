@@ -152,8 +152,9 @@ def test_batched_requests_sample_the_tokens_of_one_request_per_prompt(served, po
     assert together == _shared(served, positions, keyed_runs(positions, GROUP, batch_size // GROUP))
     assert single == _shared(served, positions, [(i, 1) for i in range(len(positions))])
     dtype = torch.bfloat16 if compute_dtype_name(load_profile(DEMO)) == "bf16" else torch.float32
-    # a few ulps of a log-prob of magnitude <= 10: a group's prompt is prefilled once, as one row alone and as one
-    # left-padded row of several in a request, so the prefill's matmuls differ in shape too
-    ulps = 16 * torch.finfo(dtype).eps * 10.0
+    # a few roundings of a log-prob of magnitude <= 10: a group's prompt is prefilled once, as one row alone and as
+    # one left-padded row of several in a request, so the prefill's matmuls differ in shape too (the bound of
+    # tests/model/test_shared_prefill.py; fp32 on AVX2 kernels measured 4.1e-5, 34 ulps of 10)
+    ulps = 64 * torch.finfo(dtype).eps * 10.0
     worst = max(abs(a - b) for (_, _, la), (_, _, lb) in zip(together, single) for a, b in zip(la, lb))
     assert worst <= ulps, worst
