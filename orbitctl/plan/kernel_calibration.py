@@ -75,11 +75,10 @@ def calibrate(profile, out: str | Path) -> Path:
         env.update(OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS))
     with tempfile.TemporaryDirectory(prefix="orbitctl-calibrate-") as tmp:
         if shapes["device"] == "cpu":  # the host's rates use the profile's own tokenizer and prompts
-            import yaml
+            from orbitctl.profile.loader import dump_profile
 
             shapes["profile"] = str(Path(tmp) / "profile.yaml")
-            with open(shapes["profile"], "w", encoding="utf-8") as fh:
-                yaml.safe_dump(profile.model_dump(mode="json"), fh, sort_keys=False)
+            Path(shapes["profile"]).write_text(dump_profile(profile), encoding="utf-8")
         path = Path(tmp) / "shapes.json"
         path.write_text(json.dumps(shapes), encoding="utf-8")
         try:

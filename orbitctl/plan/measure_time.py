@@ -84,9 +84,8 @@ def measure_time(profile) -> TimeMeasurement:
     import subprocess
     import sys
 
-    import yaml
-
     from orbitctl.errors import RunFailed, UserError
+    from orbitctl.profile.loader import dump_profile
 
     if profile.world_size != 1:
         raise UserError(f"--measure-time runs one rank; the profile has {profile.world_size}",
@@ -105,7 +104,7 @@ def measure_time(profile) -> TimeMeasurement:
     with tempfile.TemporaryDirectory(prefix="orbitctl-measure-time-") as tmp:
         path = f"{tmp}/profile.yaml"
         with open(path, "w", encoding="utf-8") as fh:
-            yaml.safe_dump(profile.model_dump(mode="json"), fh, sort_keys=False)
+            fh.write(dump_profile(profile))
         done = subprocess.run([sys.executable, "-m", "orbitctl.rl.steptime", path, f"{tmp}/run", *map(str, gemm),
                                str(rank), str(STEPS)], capture_output=True, text=True, env=env)
     if done.returncode != 0:

@@ -209,7 +209,8 @@ TERM_RATES = {
     "experts compute": ("experts_compute",), "experts HBM": ("experts_hbm",), "dense compute": ("compute",),
     "dense HBM": ("hbm",), "attention compute": ("compute",), "attention HBM": ("attention_hbm",),
     "kernel floors": ("kernel_floor_s",), "gaps": ("graph_gap_s", "stream_gap_s"), "launches": ("launch_s",),
-    "comm": ("link", "nic_gbits_per_gpu", "allreduce_latency_s"), "host": ("host_sync_s", "lockstep_s", "keyed_draw_s", "encode_token_s", "decode_token_s"),
+    "comm": ("link", "nic_gbits_per_gpu", "allreduce_latency_s"),
+    "host": ("host_sync_s", "lockstep_s", "keyed_draw_s", "encode_token_s", "decode_token_s"),
     "cpu host": ("keyed_draw_s", "encode_token_s", "decode_token_s"),
     "offload": ("host_link",),
     "cpu compute": ("cpu_flops",), "cpu memory": ("cpu_bytes",), "cpu overhead": ("cpu_op_s", "cpu_block_s"),
@@ -788,10 +789,10 @@ def step_time(profile, arch: ArchSpec, storage: BaseStorage, layout: Layout, com
         peaks, eff)
     # the host's own work, serial on any device: each prompt encoded once (a group shares it), each completion
     # turned back into text for its reward, and (orbitctl's sampler) each row's keyed uniform at each sampled token
-    prompts = shape.sequences / profile.rl.group_size
-    prefill.host_s = prompts * prompt * peaks.encode_token_s
-    draws = 0.0 if separate else shape.sequences * new * peaks.keyed_draw_s  # an engine samples with its own generator
-    decode.host_s = shape.sequences * new * peaks.decode_token_s + draws
+    prefill.host_s = shape.sequences / profile.rl.group_size * prompt * peaks.encode_token_s
+    sampled = shape.sequences * new
+    draws = 0.0 if separate else sampled * peaks.keyed_draw_s  # an engine samples with its own generator
+    decode.host_s = sampled * peaks.decode_token_s + draws
     if not peaks.synchronous:  # a CPU's ops already wait for each other; a GPU's decode waits for its host each step
         lockstep = LOCKSTEP_S if layout.expert_parallel_on and layout.expert_parallel > 1 and not separate else 0.0
         decode.host_s += rounds * steps * (HOST_SYNC_S + lockstep)

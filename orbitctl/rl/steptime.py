@@ -152,7 +152,6 @@ def host_rates(torch, profile) -> dict[str, float]:
     from orbitctl.builder import load_policy, prepare_frozen_base
     from orbitctl.data.prompts import load_prompts
     from orbitctl.model.draws import KeyedDraws
-
     from orbitctl.rl.envs import env_name
 
     rows = profile.rl.prompts_per_step * profile.rl.group_size
