@@ -182,9 +182,14 @@ def _memory_table(phases: dict, kind: str):
                          ("phase", "predicted", *(f"rank {r}" for r in range(ranks)), "measured/predicted"))
     for name, p in phases.items():
         ratio = p.get("ratio")
+        partial = p.get("partial_bytes") or [None] * len(p["measured_bytes"])
         table.add_row(name, "-" if p["predicted_bytes"] is None else gib(p["predicted_bytes"], 3),
-                      *("-" if m is None else gib(m, 3) for m in p["measured_bytes"]),
+                      *(gib(m, 3) if m is not None else f"{gib(q, 3)} (part)" if q is not None else "-"
+                        for m, q in zip(p["measured_bytes"], partial)),
                       "-" if ratio is None else f"{ratio:.2f}")
+    if any(p.get("partial_bytes") for p in phases.values()):
+        table.caption = ("(part): only steps whose update left out the rows without a gradient were measured; "
+                         "not compared with the plan")
     return table
 
 

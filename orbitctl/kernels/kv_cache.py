@@ -83,9 +83,10 @@ class RoomyLayer(DynamicLayer):
     """One full-attention layer's K and V in buffers ``[batch, heads, capacity, head_dim]`` of which ``keys`` and
     ``values`` are views of the filled positions: an update writes its positions in place and returns the views.
 
-    Anything that replaces ``keys`` / ``values`` with other tensors (transformers' row reordering and selection,
-    :func:`append_rows`) is taken over at the next update: copied into new buffers with ``room`` positions to spare.
-    A buffer that fills up doubles."""
+    Anything that replaces ``keys`` / ``values`` with other tensors (transformers' row selection, :func:`append_rows`)
+    is taken over at the next update: copied into new buffers with ``room`` positions to spare; a row reordering lets
+    the old buffers go at once. A buffer that a decode step finds full doubles; one that several new positions (the
+    next turn of an episode) overflow grows to them and ``room`` more."""
 
     def __init__(self, room: int = 0):
         super().__init__()
@@ -101,7 +102,8 @@ class RoomyLayer(DynamicLayer):
         if held is None or not (_view_of(self.keys, held[0]) and _view_of(self.values, held[1])) \
                 or end > held[0].shape[-2] or held[0].shape[0] != key_states.shape[0]:
             capacity = end + self.room
-            if held is not None and _view_of(self.keys, held[0]) and end > held[0].shape[-2]:
+            if held is not None and _view_of(self.keys, held[0]) and end > held[0].shape[-2] \
+                    and key_states.shape[-2] == 1:
                 capacity = max(capacity, 2 * held[0].shape[-2])
             held = self.buffers = tuple(self._grown(old, new, length, capacity)
                                         for old, new in ((self.keys, key_states), (self.values, value_states)))
@@ -117,6 +119,12 @@ class RoomyLayer(DynamicLayer):
         if length:
             buffer[..., :length, :].copy_(old)
         return buffer
+
+    def reorder_cache(self, beam_idx) -> None:
+        """The rows taken, as copies of the filled positions; the buffers they were read from are let go now, not at
+        the next update (a cache continued for fewer rows holds one copy, not two)."""
+        super().reorder_cache(beam_idx)
+        self.buffers = None
 
     def reset(self) -> None:
         self.buffers = None

@@ -39,6 +39,38 @@ class Samples:
     hidden: "torch.Tensor | None" = None  # [B, T, L+1, H] hidden states that predicted each token, when kept
     routes: "torch.Tensor | None" = None  # [B, T, L_moe, k] each token's experts per MoE layer (MoE models)
     prompt_routes: "torch.Tensor | None" = None  # [B, P, L_moe, k] the prompt's, -1 on padding (MoE models)
+    past: "Past | None" = None  # the KV cache after the decode, on the model's device (``keep_past``)
+
+
+@dataclass
+class Past:
+    """What an infer-path call leaves for the next one to continue from: its KV ``cache``, the attention ``mask``
+    over the cache's positions ``[B, T]`` (0 on padding, on finished rows' steps and on positions struck out with
+    :meth:`strike`) and the token ``ids`` at those positions, on the model's device. The last drawn token of a row is
+    not in it (never fed back). :meth:`held` is what a row's cache holds."""
+
+    cache: object
+    mask: "torch.Tensor"
+    ids: "torch.Tensor"
+
+    def held(self, row: int) -> list[int]:
+        """The tokens the row's cache holds, in order (its open positions)."""
+        return self.ids[row][self.mask[row].bool()].tolist()
+
+    def rows(self, index: list[int]) -> "Past":
+        """The cache of these rows only, in this order (the other rows' positions are dropped)."""
+        import torch
+
+        if index == list(range(self.mask.shape[0])):
+            return self
+        at = torch.tensor(index, dtype=torch.long, device=self.mask.device)
+        self.cache.reorder_cache(at)  # every layer's keys and values, the rows taken
+        return Past(self.cache, self.mask[at], self.ids[at])
+
+    def strike(self, row: int, start: int) -> None:
+        """Close the row's positions from ``start`` on: tokens that were fed but that the sequence does not keep
+        (a plain-text action cut at its newline)."""
+        self.mask[row, start:] = 0
 
 
 def position_ids_for(mask):
@@ -67,6 +99,19 @@ def shared_prompts(prompt_ids, prompt_mask):
         return None, None
     return (torch.tensor(first, dtype=torch.long, device=keys.device),
             torch.tensor(position, dtype=torch.long, device=keys.device))
+
+
+def _past(cache, mask, prompt_ids, past: Past | None, tokens: list) -> Past:
+    """The :class:`Past` after a decode: the ids at the cache's positions are what it continued, the prompt, and every
+    drawn token but the last (the one never fed back)."""
+    import torch
+
+    parts = ([past.ids] if past is not None else []) + [prompt_ids]
+    if len(tokens) > 1:
+        parts.append(torch.stack(tokens[:-1], dim=1))
+    ids = torch.cat(parts, dim=1)
+    assert ids.shape == mask.shape, (ids.shape, mask.shape)
+    return Past(cache, mask, ids)
 
 
 def _top_p_filter(logits, top_p: float):
@@ -216,7 +261,7 @@ class Policy:
     def sample(self, prompt_ids, prompt_mask, *, max_new_tokens: int, temperature: float, top_p: float,
                generator, keep_dist: bool = False, keep_logits: bool = False,
                keep_hidden: bool = False, forced=None, draws=None, kv_dtype: str | None = None,
-               static: bool | None = None) -> Samples:
+               static: bool | None = None, past: Past | None = None, keep_past: bool = False) -> Samples:
         """Sample one completion per row; temperature 0 is greedy.
 
         ``keep_logits`` / ``keep_hidden`` record, per generated token, the scaled logits and the
@@ -229,6 +274,10 @@ class Policy:
         ``kv_dtype`` overrides :attr:`kv_dtype` for this call (the kernel floor decodes in the compute dtype).
         ``static`` decodes on the static step (:class:`~orbitctl.model.graph_decode.StaticDecode`: captured as a CUDA
         graph on a GPU, eager elsewhere) or not; None: where :attr:`decode_graphs` applies.
+        ``past`` continues an earlier call's :class:`Past` (a multi-turn episode's next turn): ``prompt_ids`` are then
+        only the tokens that follow what the cache holds (left-padded; each row's last one real), appended to it in one
+        forward instead of the whole context read again. ``keep_past`` returns the cache after the decode as
+        :attr:`Samples.past`. Either decodes eagerly (the static step keeps a cache of its own).
         """
         import torch
 
@@ -245,13 +294,22 @@ class Policy:
         device = self.device
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
         with torch.no_grad():
-            mask = prompt_mask.clone()
             kv = kv_dtype or self.kv_dtype
-            fresh = new_kv_cache(kv, self.model.config, max_new_tokens)  # None: the model starts its own
-            out, cache, logits, prompt_routes = self._prefill(prompt_ids, mask, fresh, keep_hidden=keep_hidden)
+            if past is not None:
+                if keep_hidden or self.routing is not None:
+                    raise ValueError("a continued cache keeps no hidden states and records no routing")
+                mask = torch.cat([past.mask, prompt_mask], dim=-1)
+                out, cache, logits = self._extend(past.cache, prompt_ids, mask)
+                prompt_routes = None
+            else:
+                mask = prompt_mask.clone()
+                fresh = new_kv_cache(kv, self.model.config, max_new_tokens)  # None: the model starts its own
+                out, cache, logits, prompt_routes = self._prefill(prompt_ids, mask, fresh, keep_hidden=keep_hidden)
             if self.routing is not None:
                 self.routing.record()  # decode step t feeds token t-1: its experts are that token's
             next_pos = mask.sum(-1, keepdim=True)
+            if past is not None or keep_past:
+                static = False
             if static is None:
                 static = graphs_apply(self.decode_graphs, device.type, kv_dtype=kv, keep_hidden=keep_hidden)
             stepper = None
@@ -306,7 +364,17 @@ class Policy:
             self.routing.off()
         return Samples(prompt_ids.cpu(), prompt_mask.cpu(), host(tokens), kept, host(logps),
                        dist[:, :len(tokens)].cpu() if dist is not None else None, host(raw), host(hidden), routes,
-                       prompt_routes)
+                       prompt_routes, _past(cache, mask, prompt_ids, past, tokens) if keep_past else None)
+
+    def _extend(self, cache, ids, mask):
+        """One forward of the new tokens ``ids`` ``[B, N]`` after the positions ``cache`` holds; ``mask`` covers both.
+        Positions count the open positions before each token, as the train path's full sequence numbers them."""
+        if not bool(mask[:, -1].all()):
+            raise ValueError("every continued row needs a real last token (left-pad the new tokens)")
+        positions = position_ids_for(mask)[:, -ids.shape[1]:]
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **self._last_logits(1), **{self._cache_kw: cache})
+        return out, getattr(out, self._cache_kw), out.logits[:, -1, :]
 
     def _prefill(self, prompt_ids, mask, fresh, *, keep_hidden: bool = False):
         """One forward over left-padded prompts: ``(output, cache, last logits [B, V], prompt routes [B, P, L, k] or

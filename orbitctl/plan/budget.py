@@ -134,9 +134,14 @@ def cpu_matmul_kernels(profile, arch: ArchSpec, adapters: AdapterPlan) -> float:
 
 
 def _kv_cache(profile, arch: ArchSpec, mb: int) -> tuple[float, int]:
-    """KV bytes per GPU of the rollout batch, and the sequences decoded per GPU."""
+    """KV bytes per GPU of the rollout, and the sequences decoded at once per GPU. An environment's episodes keep their
+    caches from one turn to the next (:func:`orbitctl.rl.multiturn.play`): every episode of the rank's step holds
+    one, not only the batch being decoded (a separate engine, and router replay, read whole contexts instead)."""
     ro = profile.rollout
     seqs = rollout_batch(profile, mb)
+    held = seqs
+    if ro.max_turns > 1 and ro.engine != "separate" and not (profile.rl.router_replay and arch.is_moe):
+        held = max(seqs, profile.rl.prompts_per_step * profile.rl.group_size // profile.world_size)
     tp = ro.engine_tp if ro.engine == "separate" else 1
     per_token = arch.num_layers * arch.kv_bytes_per_token_layer(ro.kv_dtype)
     if ro.kv_dtype == "bf16":  # the model's own cache, in the compute dtype (fp32 on a CPU without native bf16)
@@ -146,7 +151,7 @@ def _kv_cache(profile, arch: ArchSpec, mb: int) -> tuple[float, int]:
     else:
         replication = tp / min(tp, arch.num_kv_heads)
     context = max(profile.memory.seq_len, decoded_tokens(profile))
-    return seqs * context * per_token * replication, seqs
+    return held * context * per_token * replication, seqs
 
 
 SAMPLE_FP32_BYTES = 4 + 4 + 4

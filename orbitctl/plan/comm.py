@@ -85,7 +85,9 @@ def prefill_rows(profile, batch: int) -> int:
     """Prompts a rollout batch of ``batch`` sequences prefills: the G completions of a group share their prompt, which
     is prefilled once and its cache copied to each row (:func:`orbitctl.model.policy.shared_prompts`). A window of
     ``batch`` rows holds ``batch / G`` groups when G divides it, one when it divides G, else at most
-    ``batch // G + 2``. An environment's episodes (rollout.max_turns > 1) prefill each turn per sequence."""
+    ``batch // G + 2``. An environment's episodes (rollout.max_turns > 1) are counted per sequence: each turn feeds its
+    sequence's new tokens (the environment's reply) on the cache kept from the last turn
+    (:func:`orbitctl.rl.multiturn.play`), so prompt and replies are prefilled once per sequence in all."""
     group = profile.rl.group_size
     if profile.rollout.max_turns > 1:
         return batch

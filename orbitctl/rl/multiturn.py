@@ -16,8 +16,12 @@ completion holds exactly the tokens the sampler read and drew. In an environment
 a tool call (:mod:`orbitctl.rl.envs.tools`); a malformed one is answered with its error and counted
 (``tool_call_valid_rate``).
 
-Each turn re-reads the whole context on the infer path (no KV cache across turns), so each action's
-log-probs come from the same tokens at the same positions as the train path's full-sequence forward.
+The KV cache is kept across turns (:class:`~orbitctl.model.policy.Past`): a turn feeds only what its episode's
+cache lacks (the last drawn token of the action, which the sampler never feeds back, and the environment's reply)
+instead of reading the whole context again, at the same positions as the train path's full-sequence forward; tokens
+the sampler fed past the action's end (after a plain-text action's newline) are struck out of the cache's mask.
+Where a turn's batch holds episodes that were not decoded together (chunks that shift as episodes finish), or the
+model records its routing (router replay), that batch reads its whole contexts again.
 Draws are keyed per (episode, turn): row ``r`` (position ``p``, group index ``g``: ``r = p*G + g``)
 samples turn ``t`` from key ``r * max_turns + t``, the same on 1 rank or N.
 """
@@ -55,6 +59,12 @@ class Episode:
     calls: int = 0
     """Actions read as tool calls (tool environments)."""
     valid_calls: int = 0
+    fed: int = 0
+    """Tokens of ``prompt + tokens`` that the episode's KV cache holds (the rest is fed at its next turn)."""
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.tokens
 
 
 @functools.lru_cache(maxsize=4)
@@ -74,10 +84,10 @@ def _padded(rows: list[list], value, dtype):
     return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
 
 
-def _context_batch(episodes: list[Episode], pad: int):
+def _context_batch(rows: list[list[int]], pad: int):
+    """Token rows of different lengths as one left-padded batch: ids and mask."""
     import torch
 
-    rows = [ep.prompt + ep.tokens for ep in episodes]
     width = max(len(r) for r in rows)
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long)
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
@@ -99,38 +109,69 @@ def play(policy, episodes: list[Episode], *, batch_size: int, max_turns: int, ma
     """Play every episode to its end or ``max_turns`` actions, in place."""
     from orbitctl.model.draws import KeyedDraws
 
+    carry = policy.routing is None  # router replay records each prefill's routing: it reads whole contexts
+    kept: list[tuple[list[Episode], object]] = []  # the last turn's batches and their caches
     for turn in range(max_turns):
         active = [ep for ep in episodes if not ep.done]
         if policy.lockstep.all_done(not active):  # under expert parallelism every rank plays as many turns
             break
+        caches, kept = kept, []
         for _, chunk in lockstep_chunks(policy, active, batch_size):
-            ids, mask = _context_batch(chunk, policy.pad_id) if chunk else policy.filler()
+            past = _continued(caches, chunk) if chunk and carry else None
+            if past is not None:
+                ids, mask = _context_batch([ep.context[ep.fed:] for ep in chunk], policy.pad_id)
+            else:
+                ids, mask = _context_batch([ep.context for ep in chunk], policy.pad_id) if chunk else policy.filler()
             keyed = chunk and all(ep.key is not None for ep in chunk)
             draws = KeyedDraws(seed, tuple(ep.key * max_turns + turn for ep in chunk)) if keyed else None
             out = policy.sample(ids, mask, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                generator=generator, draws=draws)
+                                generator=generator, draws=draws, past=past, keep_past=carry and bool(chunk))
+            fed_steps = out.completion_ids.shape[1] - 1  # decode steps fed back: all but the last drawn token's
             for row, ep in enumerate(chunk):
-                kept = out.completion_mask[row].bool()
-                action, logps = _action(policy, out.completion_ids[row][kept].tolist(),
-                                        out.logprobs[row][kept].tolist(), ep.chat is not None)
-                text = policy.tokenizer.decode(action, skip_special_tokens=True)
-                (observation, reward, done), role = _respond(ep, text)
-                ep.tokens += action
-                ep.own += [1] * len(action)
-                ep.logprobs += logps
-                ep.transcript.append(text)
-                ep.ret += float(reward)
-                ep.turns += 1
-                ep.done = bool(done) or ep.turns >= max_turns
-                if not ep.done:  # the last reply is never read by the policy: it is not appended
-                    reply = _encode_text(policy.tokenizer, observation) if ep.chat is None else \
-                        ep.chat.answer(observation, role, closed=bool(action) and action[-1] == policy.eos_id)
-                    ep.tokens += reply
-                    ep.own += [0] * len(reply)
-                    ep.logprobs += [0.0] * len(reply)
-                    ep.transcript.append(observation)
+                kept_steps = out.completion_mask[row].bool()
+                action, logps = _action(policy, out.completion_ids[row][kept_steps].tolist(),
+                                        out.logprobs[row][kept_steps].tolist(), ep.chat is not None)
+                if out.past is not None:  # what the cache holds of this episode: its context and the fed action
+                    held = min(len(action), fed_steps)
+                    out.past.strike(row, out.past.mask.shape[1] - fed_steps + held)
+                    ep.fed = len(ep.context) + held
+                _played(policy, ep, action, logps, max_turns)
+            if out.past is not None:
+                kept.append((chunk, out.past))
     for ep in episodes:
         ep.env.close()
+
+
+def _continued(caches: list[tuple[list[Episode], object]], chunk: list[Episode]):
+    """The cache of the last turn that holds every episode of ``chunk``, its rows taken in the chunk's order; None
+    when no one cache does (the batch then reads its contexts whole). A cache is continued once."""
+    for i, (episodes, past) in enumerate(caches):
+        rows = {id(ep): r for r, ep in enumerate(episodes)}
+        if all(id(ep) in rows for ep in chunk):
+            del caches[i]
+            return past.rows([rows[id(ep)] for ep in chunk])
+    return None
+
+
+def _played(policy, ep: Episode, action: list[int], logps: list[float], max_turns: int) -> None:
+    """The action's turn in the episode: the environment's answer, the return, and the reply's tokens appended
+    unless the episode ended."""
+    text = policy.tokenizer.decode(action, skip_special_tokens=True)
+    (observation, reward, done), role = _respond(ep, text)
+    ep.tokens += action
+    ep.own += [1] * len(action)
+    ep.logprobs += logps
+    ep.transcript.append(text)
+    ep.ret += float(reward)
+    ep.turns += 1
+    ep.done = bool(done) or ep.turns >= max_turns
+    if not ep.done:  # the last reply is never read by the policy: it is not appended
+        reply = _encode_text(policy.tokenizer, observation) if ep.chat is None else \
+            ep.chat.answer(observation, role, closed=bool(action) and action[-1] == policy.eos_id)
+        ep.tokens += reply
+        ep.own += [0] * len(reply)
+        ep.logprobs += [0.0] * len(reply)
+        ep.transcript.append(observation)
 
 
 def _respond(ep: Episode, text: str) -> tuple[tuple[str, float, bool], str]:

@@ -13,12 +13,14 @@ freed pages back) at the end of the phase, minus that baseline. The CPU's exact 
 :data:`FAST_MMAP_THRESHOLD_BYTES`), so it runs on the first steps and every :data:`MEASURE_EVERY`-th; the peaks are
 the largest of those. The prediction is ``orbitctl plan``'s peak of the same phase for this profile. A
 measured/predicted ratio outside :data:`RATIO_BAND` (and more than :data:`SLACK_BYTES` apart) is a warning
-that names the phase, given once each time the ratio leaves the band.
+that names the phase, given once each time the ratio leaves the band. A phase that ran less than the plan counts
+(:class:`PhaseRun`) is reported apart (``partial_bytes``) and never compared.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from orbitctl.procmem import pin_mmap_threshold, reset_high_water, return_freed_heap, status_bytes
 from orbitctl.units import MiB, gib
 
@@ -41,6 +43,15 @@ MEASURE_EVERY = 10
 SLACK_BYTES = 256 * MiB
 """A difference smaller than this is not warned about whatever the ratio: on a tiny model the process's
 own allocations (allocator arenas, kernels, DeepSpeed's buffers) outweigh everything the plan models."""
+
+
+@dataclass
+class PhaseRun:
+    """One measured phase. ``full`` is cleared by a phase that ran less than the plan counts (an update that left out
+    the rows without a gradient: :func:`orbitctl.rl.update.live_rows`); its peak is then kept apart
+    (``partial_bytes`` in the report) and not held against the prediction."""
+
+    full: bool = True
 
 
 def _nvml_used(index: int) -> int | None:
@@ -68,6 +79,8 @@ class PhaseMemory:
             return_freed_heap()  # the baseline is what is in use, like every phase's start
         self.baseline = 0 if self.cuda else (status_bytes("VmRSS") or 0)
         self.measured: dict[str, int] = {}
+        self.partial: dict[str, int] = {}
+        """Peaks of phases that ran less than the plan counts (:class:`PhaseRun`), never compared with it."""
         self.device_used: dict[str, int] = {}
         self.kind = "cuda_max_allocated" if self.cuda else "rss_rise"
         self._outside: set[str] = set()
@@ -101,11 +114,14 @@ class PhaseMemory:
 
     @contextlib.contextmanager
     def phase(self, name: str):
+        """Measure the phase run inside; it yields a :class:`PhaseRun` whose ``full`` the caller clears when the phase
+        ran less than the plan counts."""
         import torch
 
+        run = PhaseRun()
         if not self.measuring:
             pin_mmap_threshold(FAST_MMAP_THRESHOLD_BYTES, trim_bytes=2 * FAST_MMAP_THRESHOLD_BYTES)
-            yield
+            yield run
             return
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -115,7 +131,7 @@ class PhaseMemory:
             if not reset_high_water():
                 self.kind = "rss_rise_lifetime"  # no resettable high-water mark: the process's peak so far
         try:
-            yield
+            yield run
         finally:
             if self.cuda:
                 peak = int(torch.cuda.max_memory_allocated())
@@ -124,7 +140,8 @@ class PhaseMemory:
                     self.device_used[name] = max(self.device_used.get(name, 0), used)
             else:
                 peak = max(0, (status_bytes("VmHWM") or status_bytes("VmRSS") or 0) - self.baseline)
-            self.measured[name] = max(self.measured.get(name, 0), peak)
+            kept = self.measured if run.full else self.partial
+            kept[name] = max(kept.get(name, 0), peak)
 
     def report(self) -> dict:
         """Collective (every rank calls it): measured per phase and rank beside the prediction, and the
@@ -132,12 +149,14 @@ class PhaseMemory:
         from orbitctl.dist.collectives import gather_objects
 
         self.rounds += 1
-        ranks = gather_objects({"measured": self.measured, "device_used": self.device_used})
+        ranks = gather_objects({"measured": self.measured, "partial": self.partial, "device_used": self.device_used})
         phases, warnings = {}, []
         for name in PHASES:
             measured = [r["measured"].get(name) for r in ranks]
             predicted = self.predicted.get(name)
             entry = {"predicted_bytes": predicted, "measured_bytes": measured}
+            if any(r["partial"].get(name) is not None for r in ranks):
+                entry["partial_bytes"] = [r["partial"].get(name) for r in ranks]
             if any(r["device_used"] for r in ranks):
                 entry["device_used_bytes"] = [r["device_used"].get(name) for r in ranks]
             known = [m for m in measured if m is not None]

@@ -237,8 +237,8 @@ def run_loop(profile, fresh, emit, rank, world, torch, closing) -> TrainResult:
         def on_step(stats, seconds, applied, grad_norm):
             updates.append({"stats": stats, "seconds": seconds, "applied": applied, "grad_norm": grad_norm})
 
-        with meter.phase("policy_update"):
-            run_update(engine, policy, batch, advantages, profile, on_step, max_steps=rl.steps - step)
+        with meter.phase("policy_update") as ran:
+            ran.full = run_update(engine, policy, batch, advantages, profile, on_step, max_steps=rl.steps - step)
         memory = meter.report()
         for i, upd in enumerate(updates):
             step += 1

@@ -3,6 +3,8 @@
 One rollout batch gives ``rl.ppo_epochs x rl.minibatches`` optimizer steps; each minibatch is
 split into micro-batches of ``memory.micro_batch_size`` whose gradients DeepSpeed accumulates.
 Loss aggregation is token-level: every token of the minibatch (on every rank) weighs the same.
+A row whose loss is zero whatever the weights (GRPO advantage 0, no align loss or reference KL: :func:`live_rows`)
+is not run through the train path; the step's metrics (entropy, mismatch, IS ratios) are then over the rows that ran.
 """
 
 from __future__ import annotations
@@ -170,9 +172,29 @@ def micro_loss(policy, mb, profile, token_total: float, stats: StepStats):
     return (token_loss * mask).sum() / token_total
 
 
-def run_update(engine, policy, batch, advantages, profile, on_step, max_steps: int | None = None) -> None:
+def live_rows(rl, advantages):
+    """Which rows' loss has a gradient: those with an advantage, when no other term reads a row (no align loss, no
+    reference KL); None when every row's does. A GRPO group whose episodes all got the same reward has advantage 0 on
+    every row, and with PPO-clip alone its loss is 0 whatever the weights."""
+    if rl.kl_ref_coef > 0 or (rl.align_loss.kind != "none" and rl.align_loss.weight > 0):
+        return None
+    return advantages != 0
+
+
+def micro_rows(rows, micro: int, live=None) -> list:
+    """The rows of each micro-batch: ``rows`` in runs of ``micro``, each keeping only its ``live`` rows, or its first
+    row alone when none is live (a gradient of zero), so every micro-batch, on every rank, still runs one forward and
+    backward: DeepSpeed's accumulation boundary and ZeRO's gradient reduction count them. The loss stays divided by
+    the whole minibatch's tokens, so the gradient is the one every row would give."""
+    parts = [rows[s:s + micro] for s in range(0, len(rows), micro)]
+    if live is None:
+        return parts
+    return [part[live[part]] if bool(live[part].any()) else part[:1] for part in parts]
+
+
+def run_update(engine, policy, batch, advantages, profile, on_step, max_steps: int | None = None) -> bool:
     """The optimizer steps for one rollout batch (at most ``max_steps``);
-    ``on_step(stats, seconds, applied, grad_norm)`` after each."""
+    ``on_step(stats, seconds, applied, grad_norm)`` after each. Returns whether every row ran (:func:`live_rows`)."""
     import torch
 
     from orbitctl.dist.collectives import reduce_scalars
@@ -183,23 +205,26 @@ def run_update(engine, policy, batch, advantages, profile, on_step, max_steps: i
     generator = torch.Generator().manual_seed(int(engine.global_steps))
     per_minibatch = batch.size // rl.minibatches
     budget = rl.ppo_epochs * rl.minibatches if max_steps is None else max_steps
+    live = live_rows(rl, advantages)
+    every = live is None or bool(live.all())
     for _epoch in range(rl.ppo_epochs):
         order = torch.randperm(batch.size, generator=generator) if rl.minibatches > 1 else torch.arange(batch.size)
         for m in range(rl.minibatches):
             if budget <= 0:
-                return
+                return every
             budget -= 1
             start = time.perf_counter()
             rows_all = order[m * per_minibatch:(m + 1) * per_minibatch]
             token_total = reduce_scalars([float(batch.completion_mask[rows_all].sum())])[0] / _world()
             stats = StepStats()
-            for s in range(0, len(rows_all), micro):
-                mb = _rows(batch, rows_all[s:s + micro], advantages, old)
+            for rows in micro_rows(rows_all, micro, live):
+                mb = _rows(batch, rows, advantages, old)
                 loss = micro_loss(policy, mb, profile, max(token_total, 1.0), stats)
                 stats.finite = stats.finite and bool(torch.isfinite(loss))
                 engine.backward(loss, scale_wrt_gas=False)
                 engine.step()
             on_step(stats, time.perf_counter() - start, engine.was_step_applied(), engine.get_global_grad_norm())
+    return every
 
 
 def _world() -> int:

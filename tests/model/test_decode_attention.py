@@ -89,6 +89,13 @@ def test_the_cache_with_room_writes_each_step_in_place_and_takes_over_rows_reord
     keys, values = layer.update(after, after)
     assert torch.equal(keys, torch.cat([k[1:], *(s[1:] for s in steps), after], dim=-2))
     assert keys.data_ptr() == layer.buffers[0].data_ptr() and layer.buffers[0].shape[-2] == 11 + 4
+    turn = torch.randn(1, 3, 6, 8)  # several positions past the buffer (an episode's next turn): them and the room
+    keys, _ = layer.update(turn, turn)
+    assert layer.buffers[0].shape[-2] == 17 + 4 and torch.equal(keys[..., 11:, :], turn)
+    layer.reorder_cache(torch.tensor([0, 0]))  # rows reordered: copies, the old buffers let go
+    assert layer.buffers is None and layer.keys.shape == (2, 3, 17, 8)
+    keys, _ = layer.update(after.expand(2, -1, -1, -1), after.expand(2, -1, -1, -1))
+    assert keys.shape[-2] == 18 and layer.buffers[0].shape[-2] == 18 + 4
 
 
 def test_new_kv_cache_gives_room_to_full_attention_models_only():

@@ -96,6 +96,18 @@ def test_gqa_kv_cache_splits_over_tp(make_profile):
     assert plan.phases["rollout"]["rollout_kv_cache"] == 1000 * 32 * 2 * 8 * 128 * 2
 
 
+def test_episodes_keep_every_cache_of_the_step_across_turns(make_profile):
+    """A multi-turn rollout keeps each episode's cache for its next turn: 32 episodes per rank (32 prompts x 8 over 8
+    ranks) decoded 8 at a time hold 32 caches; a single-turn rollout holds the batch's."""
+    per_sequence = 1000 * 32 * 2 * 8 * 128 * 2  # seq_len x layers x K and V x kv heads x head_dim x bf16
+    base = {"memory": {"seq_len": 1000}, "rl": {"prompts_per_step": 32, "group_size": 8},
+            "data": {"train": "env:guess"}}
+    kv = lambda **rollout: plan_profile(make_profile(**base, rollout={"batch_size": 8, "max_new_tokens": 10, **rollout}),  # noqa: E731
+                                        with_advice=False).phases["rollout"]["rollout_kv_cache"]
+    assert kv(max_turns=4) == 32 * per_sequence
+    assert kv(max_turns=1) == 8 * per_sequence
+
+
 def test_expert_parallel_and_prefetch_shrink_the_gather(make_profile):
     gather = lambda **m: plan_profile(_k2(make_profile, **m), with_advice=False).phases["policy_update"]["zero3_gather"]  # noqa: E731
     full = gather()

@@ -58,14 +58,17 @@ class _Recorder:
     """Wraps ``policy.sample``: every context the sampler was given and what it drew for each row."""
 
     def __init__(self, policy):
-        self.policy, self.real, self.seen = policy, policy.sample, []
+        self.policy, self.real, self.seen, self.continued = policy, policy.sample, [], 0
 
     def __call__(self, ids, mask, **kwargs):
+        past = kwargs.get("past")  # a later turn continues the cache: it holds the context's start
+        before = [past.held(row) if past is not None else [] for row in range(ids.shape[0])]
         out = self.real(ids, mask, **kwargs)
         for row in range(ids.shape[0]):
             kept = out.completion_mask[row].bool()
-            self.seen.append((ids[row][mask[row].bool()].tolist(), out.completion_ids[row][kept].tolist(),
+            self.seen.append((before[row] + ids[row][mask[row].bool()].tolist(), out.completion_ids[row][kept].tolist(),
                               out.logprobs[row][kept].tolist()))
+        self.continued += past is not None
         return out
 
 
@@ -103,6 +106,7 @@ def test_the_train_path_sees_exactly_the_samplers_tokens_and_masks(chat_policy, 
                 break
         else:
             raise AssertionError("a drawn action is not in the sequence after the context it was drawn from")
+    assert recorder.continued  # later turns read the kept cache, not the whole context again
     for row, (_, _, length) in enumerate(rows):
         assert batch.completion_mask[row][:length].tolist() == own_seen[row]  # loss on the policy's tokens only
     # the train path's forward over those tokens gives the sampler's log-probs on every action, later turns included

@@ -154,6 +154,66 @@ def test_multiturn_rollout_masks_exactly_the_environment_tokens(tiny):
     assert float(hidden[later].max()) > 10 * float(right[later].max())  # hiding the replies changes the context
 
 
+def test_later_turns_continue_the_kept_cache_as_reading_the_whole_context_would(tiny, monkeypatch):
+    """Each turn after the first feeds only what its episode's cache lacks; the episodes, their tokens and their
+    log-probs are those of reading the whole context again at every turn (fp32: to rounding)."""
+    from orbitctl.rl import multiturn
+
+    _, policy, split = tiny
+    real, fed = policy.sample, []
+
+    def counting(ids, mask, **kwargs):
+        fed.append((int(mask.sum()), kwargs.get("past") is not None))
+        return real(ids, mask, **kwargs)
+
+    monkeypatch.setattr(policy, "sample", counting)
+    kept = _collect(policy, split, batch_size=16)
+    kept_fed, fed[:] = list(fed), []
+    monkeypatch.setattr(multiturn, "_continued", lambda caches, chunk: None)  # every turn reads whole contexts
+    whole = _collect(policy, split, batch_size=16)
+    assert [c for _, c in kept_fed] == [False] + [True] * (len(kept_fed) - 1) and not any(c for _, c in fed)
+    assert len(fed) == len(kept_fed) > 1
+    # a later turn feeds its new tokens only: the reply and the action's last token, not the context before them
+    assert all(k < w for (k, _), (w, _) in zip(kept_fed[1:], fed[1:]))
+    assert torch.equal(kept.completion_ids, whole.completion_ids) and torch.equal(kept.rewards, whole.rewards)
+    own = kept.completion_mask.bool()
+    assert torch.equal(kept.completion_mask, whole.completion_mask)
+    assert float((kept.infer_logprobs - whole.infer_logprobs)[own].abs().max()) < 1e-5
+
+
+def test_skipping_zero_advantage_rows_gives_the_same_gradient(tiny):
+    """Rows whose loss is zero whatever the weights are not run through the update. Two groups of four episodes, one with advantages and one without: the adapters' gradient from the live rows
+    alone is the gradient of all eight (fp32, to rounding), and a step where no row is live runs one row, with a
+    gradient of zero."""
+    from orbitctl.profile.schema import AlignLoss
+    from orbitctl.rl.envs import GuessDigit
+    from orbitctl.rl.multiturn import collect_episodes
+    from orbitctl.rl.update import StepStats, _rows, live_rows, micro_loss, micro_rows
+
+    profile, policy, split = tiny
+    profile = profile.model_copy(update={"rl": profile.rl.model_copy(update={"align_loss": AlignLoss(kind="none")})})
+    batch = collect_episodes(policy, GuessDigit, split.train[:2], group_size=4, batch_size=8, max_turns=3,
+                             max_new_tokens=2, temperature=1.0, top_p=1.0, generator=torch.Generator(),
+                             keys=(0, [0, 1]))
+    tokens = float(batch.completion_mask.sum())
+
+    def gradient(advantages, skip: bool) -> dict:
+        policy.set_mode(train=False)  # no dropout: both runs see the same function
+        policy.model.zero_grad(set_to_none=True)
+        live = live_rows(profile.rl, advantages) if skip else None
+        for rows in micro_rows(torch.arange(batch.size), 4, live):
+            micro_loss(policy, _rows(batch, rows, advantages, None), profile, tokens, StepStats()).backward()
+        return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in policy.named_trainable()}
+
+    advantages = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.2, -0.4, 0.8, -1.6])
+    every, live = gradient(advantages, skip=False), gradient(advantages, skip=True)
+    assert max(float(g.abs().max()) for g in every.values()) > 0
+    for name, grad in every.items():
+        torch.testing.assert_close(live[name], grad, rtol=1e-5, atol=1e-7 * float(grad.abs().max() + 1e-30))
+    dead = gradient(torch.zeros(8), skip=True)
+    assert all(float(g.abs().max()) == 0.0 for g in dead.values())
+
+
 class _FakePolicy:
     """Train-path logits as one leaf tensor, so the loss's gradient per position can be read off."""
 

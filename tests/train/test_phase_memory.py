@@ -39,6 +39,22 @@ def test_the_ratio_is_judged_once_per_excursion():
     assert "ratio" not in meter.report()["phase_memory"]["policy_update"]  # no prediction, no ratio
 
 
+def test_a_phase_that_ran_part_of_what_the_plan_counts_is_kept_apart_and_not_judged():
+    meter = PhaseMemory({"rollout": 1024 * MiB, "policy_update": 4096 * MiB})
+    with meter.phase("policy_update") as ran:
+        block = torch.ones(96 * MiB // 4)
+        del block
+        ran.full = False  # an update that left out its rows without a gradient
+    assert "policy_update" not in meter.measured and meter.partial["policy_update"] >= 90 * MiB
+    report = meter.report()
+    entry = report["phase_memory"]["policy_update"]
+    assert entry["measured_bytes"] == [None] and entry["partial_bytes"] == [meter.partial["policy_update"]]
+    assert "ratio" not in entry and report["memory_warnings"] == []  # 0.02 of the plan, and no warning
+    with meter.phase("policy_update"):  # a full one is judged
+        pass
+    assert "policy_update" in meter.measured and "ratio" in meter.report()["phase_memory"]["policy_update"]
+
+
 def test_small_differences_are_not_warned_whatever_the_ratio():
     meter = PhaseMemory({"rollout": 8 * MiB, "policy_update": None})
     meter.measured = {"rollout": 8 * MiB + SLACK_BYTES // 2}
