@@ -211,9 +211,8 @@ def kept_dist_bytes(profile, arch: ArchSpec) -> float:
     """Bytes per completion of the infer distribution the rollout keeps for the full KL (0 when it keeps none):
     max_new_tokens x V in fp32, kept when the align loss is a KL, the rollout batch's stays within
     :data:`KEPT_DIST_BUDGET_BYTES` and the data are prompts (not an environment's episodes)."""
-    align = profile.rl.align_loss
     per_completion = 4.0 * profile.rollout.max_new_tokens * arch.vocab_size
-    kept = (align.kind == "kl" and align.weight > 0 and not profile.data.train.startswith("env:")
+    kept = (profile.rl.align_loss.active and not profile.data.train.startswith("env:")
             and rollout_batch(profile, profile.memory.micro_batch_size) * per_completion <= KEPT_DIST_BUDGET_BYTES)
     return per_completion if kept else 0.0
 

@@ -289,6 +289,11 @@ class AlignLoss(Section):
     weight: float = Field(0.1, ge=0.0)
     """Weight of the train/infer KL in the loss (the method's recommended 0.1)."""
 
+    @property
+    def active(self) -> bool:
+        """The loss has the train/infer KL term."""
+        return self.kind == "kl" and self.weight > 0
+
 
 class ISCorrection(Section):
     kind: Literal["none", "tis", "icepop"] = "tis"

@@ -209,7 +209,7 @@ def run_loop(profile, fresh, emit, rank, world, torch, closing) -> TrainResult:
     from orbitctl.plan.budget import KEPT_DIST_BUDGET_BYTES  # the plan counts what is kept under the same rule
 
     dist_bytes = profile.rollout_batch_size * max_new * int(policy.model.config.vocab_size) * 4
-    keep_dist = rl.align_loss.kind == "kl" and rl.align_loss.weight > 0 and dist_bytes <= KEPT_DIST_BUDGET_BYTES \
+    keep_dist = rl.align_loss.active and dist_bytes <= KEPT_DIST_BUDGET_BYTES \
         and env is None  # multi-turn rollouts keep sampled-token log-probs only (k3 align estimate)
     while step < rl.steps:
         positions, items = zip(*stream.next_step(rl.prompts_per_step))

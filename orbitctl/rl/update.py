@@ -132,7 +132,7 @@ def micro_loss(policy, mb, profile, token_total: float, stats: StepStats):
     # (a chunked loss moves the infer distribution to the device one chunk at a time)
     mb = {k: v.to(device) if isinstance(v, torch.Tensor) and not (chunk and k == "dist") else v for k, v in mb.items()}
     mask = mb["completion_mask"].float()
-    align_kl = rl.align_loss.kind == "kl" and rl.align_loss.weight > 0
+    align_kl = rl.align_loss.active
     with offloaded_boundaries(policy.model, profile.memory.offload_activations == "cpu") as moved:
         terms = completion_terms(policy, mb, temperature, chunk, infer_dist=mb["dist"] if align_kl else None)
     stats.total("offload_bytes", moved.bytes)
@@ -176,7 +176,7 @@ def live_rows(rl, advantages):
     """Which rows' loss has a gradient: those with an advantage, when no other term reads a row (no align loss, no
     reference KL); None when every row's does. A GRPO group whose episodes all got the same reward has advantage 0 on
     every row, and with PPO-clip alone its loss is 0 whatever the weights."""
-    if rl.kl_ref_coef > 0 or (rl.align_loss.kind != "none" and rl.align_loss.weight > 0):
+    if rl.kl_ref_coef > 0 or rl.align_loss.active:
         return None
     return advantages != 0
 
